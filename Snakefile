@@ -1,0 +1,18 @@
+# Palu pipeline. The grid (what to run) is conf/grid/default.yaml; another grid:
+#   snakemake --cores 2 --configfile conf/grid/paper.yaml
+# Rules only call Hydra entry points (python -m palu.cli.<step>); see workflow/rules/.
+configfile: "conf/grid/default.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/resources.smk"
+include: "workflow/rules/calibrate.smk"
+include: "workflow/rules/decompose.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/collect.smk"
+
+
+rule all:
+    input:
+        expand(f"{R}/tables/{{table}}.{{ext}}", table=TABLES, ext=["csv", "md"]),
+        f"{R}/figures/rank_allocation.png",

@@ -1,0 +1,21 @@
+"""Swap a model's attention modules for Palu attention (explicitly; importing palu patches nothing)."""
+from __future__ import annotations
+
+from ..models.adapters import adapter_for, geometry_of
+from .palu_attention import PaluAttention
+
+
+def install_palu(model, factors: list, group_size: int, fuse: bool = True):
+    """Replace every layer's attention with PaluAttention built from `factors` (one per layer)."""
+    adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    layers = adapter.layers(model)
+    if len(factors) != len(layers):
+        raise ValueError(f"{len(factors)} factor sets for a model with {len(layers)} layers")
+    rotary = getattr(model.model, "rotary_emb", None) if geom.rope else None
+    for layer, lf in zip(layers, factors):
+        attn = adapter.attention(layer)
+        if isinstance(attn, PaluAttention):
+            raise ValueError("the model already has Palu attention installed")
+        layer.self_attn = PaluAttention(attn, adapter, geom, lf, group_size, rotary=rotary, fuse=fuse)
+    model.config.palu = {"group_size": group_size, "fuse": fuse}
+    return model

@@ -1,0 +1,173 @@
+"""Palu attention: K/V projected to per-group latents, cached as latents, never stored full-size.
+
+Reference (pure torch) backend. Per group g of `group_size` KV heads:
+    hk = A_k[g] x,  hv = A_v[g] x                 (cached, pre-RoPE)
+    keys   = RoPE(B_k[g] hk + b_k)                 (RoPE models; rebuilt at attention time)
+    scores = (B_k[g]ᵀ q) · hk                      (no RoPE + fuse: keys never rebuilt)
+    out    = Σ_i softmax_i · hv  @ (W_o,i B_v[g,i])ᵀ  (fuse: values never rebuilt)
+Unfused paths rebuild K and V explicitly (the reference code's "simulated" Palu); both must agree.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..cache.latent_cache import LatentCache
+from ..models.adapters import FamilyAdapter, Geometry
+from .rope import apply_rope
+
+
+class PaluAttention(nn.Module):
+    def __init__(self, attn: nn.Module, adapter: FamilyAdapter, geom: Geometry, factors,
+                 group_size: int, rotary: nn.Module | None = None, fuse: bool = True):
+        super().__init__()
+        q, k, v, o = adapter.projections(attn)
+        self.layer_idx, self.geom, self.group_size, self.fuse = attn.layer_idx, geom, group_size, fuse
+        self.n_groups = geom.check_group_size(group_size)
+        self.scaling = attn.scaling
+        self.query_scaled = adapter.query_scaled_in_proj
+        self.q_proj, self.o_proj = q, o
+        self._rotary = (rotary,)  # a tuple: shared with the model, not a submodule of ours
+        dtype, device = q.weight.dtype, q.weight.device
+        self.ranks_k, self.ranks_v = factors.ranks_k, factors.ranks_v
+        cast = dict(dtype=dtype, device=device)
+        self.register_buffer("A_k", torch.cat(factors.A_k).to(**cast))   # (R_k, hidden)
+        self.register_buffer("A_v", torch.cat(factors.A_v).to(**cast))   # (R_v, hidden)
+        self.register_buffer("k_bias", None if k.bias is None else k.bias.detach().clone())
+        self.register_buffer("v_bias", None if v.bias is None else v.bias.detach().clone())
+        for g in range(self.n_groups):
+            self.register_buffer(f"B_k{g}", factors.B_k[g].to(**cast))
+            self.register_buffer(f"B_v{g}", factors.B_v[g].to(**cast))
+        if fuse:
+            self._fuse_values(o, factors.B_v, v.bias, cast)
+            if not geom.rope:
+                self._fuse_keys(q, factors.B_k, cast)
+
+    # ---- offline fusion -------------------------------------------------------------------
+    def _query_heads(self, g: int) -> range:
+        per_group = self.group_size * self.geom.n_rep
+        return range(g * per_group, (g + 1) * per_group)
+
+    def _local_kv(self, head: int, g: int) -> slice:
+        """Rows of B[g] that rebuild the KV head that query `head` reads."""
+        j = head // self.geom.n_rep - g * self.group_size
+        return slice(j * self.geom.head_dim, (j + 1) * self.geom.head_dim)
+
+    def _fuse_values(self, o: nn.Linear, B_v, v_bias, cast) -> None:
+        hd = self.geom.head_dim
+        Wo = o.weight.double()
+        bias = o.bias.double() if o.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64,
+                                                                         device=Wo.device)
+        for g in range(self.n_groups):
+            blocks = [Wo[:, i * hd:(i + 1) * hd] @ B_v[g][self._local_kv(i, g)].to(Wo)
+                      for i in self._query_heads(g)]
+            self.register_buffer(f"Wo_fused{g}", torch.cat(blocks, 1).to(**cast))  # (hidden, heads*r)
+            if v_bias is not None:  # Σ_t p_t = 1, so the value bias passes through attention as is
+                for i in self._query_heads(g):
+                    kv = i // self.geom.n_rep
+                    bias = bias + Wo[:, i * hd:(i + 1) * hd] @ v_bias.double()[kv * hd:(kv + 1) * hd]
+        self.register_buffer("o_bias_fused", bias.to(**cast))
+
+    def _fuse_keys(self, q: nn.Linear, B_k, cast) -> None:
+        # q·(B h + b) = (Bᵀq)·h + q·b and q·b is the same for every key: softmax drops it.
+        hd = self.geom.head_dim
+        Wq = q.weight.double()
+        bq = q.bias.double() if q.bias is not None else None
+        for g in range(self.n_groups):
+            Bt = [B_k[g][self._local_kv(i, g)].to(Wq).T for i in self._query_heads(g)]  # (r, hd)
+            W = torch.cat([b @ Wq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))])
+            self.register_buffer(f"Wq_fused{g}", W.to(**cast))
+            bias = None if bq is None else torch.cat(
+                [b @ bq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))])
+            self.register_buffer(f"bq_fused{g}", None if bias is None else bias.to(**cast))
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, position_ids=None, **kwargs):
+        B, T, _ = hidden_states.shape
+        x = hidden_states
+        hk, hv = F.linear(x, self.A_k), F.linear(x, self.A_v)          # (B, T, R)
+        hk_all, hv_all, kpos = self._cache(hk, hv, past_key_values, position_ids, T, x.device)
+        S = hk_all.shape[1]
+        mask = self._mask(attention_mask, T, S, x.device)
+        q = None
+        if self.geom.rope or not self.fuse:
+            q = self.q_proj(x).view(B, T, self.geom.num_heads, -1).transpose(1, 2)  # (B, nh, T, hd)
+            if self.query_scaled:
+                q = q * self.scaling
+            if self.geom.rope:
+                cos, sin = position_embeddings
+                q = apply_rope(q, cos, sin)
+                kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
+        outs, heads = [], []
+        k_off = v_off = 0
+        for g in range(self.n_groups):
+            hk_g = hk_all[..., k_off:k_off + self.ranks_k[g]]
+            hv_g = hv_all[..., v_off:v_off + self.ranks_v[g]]
+            k_off, v_off = k_off + self.ranks_k[g], v_off + self.ranks_v[g]
+            if self.geom.rope or not self.fuse:
+                qg = q[:, self._query_heads(g).start:self._query_heads(g).stop]
+                kg = self._rebuild(hk_g, getattr(self, f"B_k{g}"), self.k_bias, g)   # (B, s, S, hd)
+                if self.geom.rope:
+                    kg = apply_rope(kg, kcos, ksin)
+            else:
+                qg = self._fused_query(x, g)                                         # (B, h, T, r)
+                kg = hk_g.unsqueeze(1)                                               # (B, 1, S, r)
+            if self.fuse:
+                vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], S, hv_g.shape[-1])
+            else:
+                vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
+            z = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self._sdpa_scale(),
+                                               enable_gqa=qg.shape[1] != kg.shape[1])
+            if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
+                outs.append(z.transpose(1, 2).reshape(B, T, -1) @ getattr(self, f"Wo_fused{g}").T)
+            else:
+                heads.append(z)
+        if self.fuse:
+            return torch.stack(outs).sum(0) + self.o_bias_fused, None
+        attn = torch.cat(heads, 1).transpose(1, 2).reshape(B, T, -1)                 # (B, T, nh*hd)
+        return self.o_proj(attn), None
+
+    def _sdpa_scale(self) -> float:
+        return 1.0 if self.query_scaled else self.scaling
+
+    def _rebuild(self, h, Bg, bias, g):
+        """Latents (B, S, r) -> full heads (B, s, S, hd) of group g."""
+        Bsz, S, _ = h.shape
+        y = h @ Bg.T
+        if bias is not None:
+            n = self.group_size * self.geom.head_dim
+            y = y + bias[g * n:(g + 1) * n]
+        return y.view(Bsz, S, self.group_size, self.geom.head_dim).transpose(1, 2)
+
+    def _fused_query(self, x, g):
+        B, T, _ = x.shape
+        q = F.linear(x, getattr(self, f"Wq_fused{g}"), getattr(self, f"bq_fused{g}"))
+        if self.query_scaled:
+            q = q * self.scaling
+        return q.view(B, T, len(self._query_heads(g)), -1).transpose(1, 2)
+
+    def _cache(self, hk, hv, cache, position_ids, T, device):
+        if position_ids is None:
+            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+            position_ids = torch.arange(past, past + T, device=device)[None]
+        if isinstance(cache, LatentCache):
+            return cache.update_latent(hk, hv, position_ids, self.layer_idx)
+        if cache is not None:  # any other Cache stores the latents as one pseudo-head
+            k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
+            S = k.shape[-2]
+            return k.squeeze(1), v.squeeze(1), torch.arange(S, device=device)[None]
+        return hk, hv, position_ids
+
+    def _rope_for(self, positions, x):
+        cos, sin = self._rotary[0](x, positions.long())
+        return cos, sin
+
+    @staticmethod
+    def _mask(attention_mask, T, S, device):
+        if attention_mask is not None:
+            return attention_mask[..., :S]
+        # No mask given: plain causal, with the cached tokens all visible.
+        t = torch.arange(T, device=device)[:, None] + (S - T)
+        return torch.arange(S, device=device)[None, :] <= t

@@ -1,0 +1,38 @@
+"""Gram matrices of the K/V projections' input, per layer, accumulated in float64.
+
+K and V read the same normalised hidden states, so one Gram per layer serves both.
+"""
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models.adapters import adapter_for
+
+
+@torch.no_grad()
+def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
+    """Return {"gram": (layers, in, in) float64, "tokens": n} over calibration `windows`."""
+    adapter = adapter_for(model.config)
+    layers = adapter.layers(model)
+    hidden = model.config.hidden_size
+    grams = torch.zeros(len(layers), hidden, hidden, dtype=torch.float64)
+    hooks = []
+
+    def make_hook(i):
+        def hook(_module, args):
+            x = args[0].reshape(-1, hidden).double().cpu()   # (tokens, in)
+            grams[i].addmm_(x.T, x)
+        return hook
+
+    for i, layer in enumerate(layers):
+        _, k_proj, _, _ = adapter.projections(adapter.attention(layer))
+        hooks.append(k_proj.register_forward_pre_hook(make_hook(i)))
+    device = next(model.parameters()).device
+    try:
+        for window in tqdm(windows, desc="calibration (Gram)", unit="win", disable=not progress):
+            model(input_ids=window[None].to(device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"gram": grams, "tokens": int(windows.numel())}

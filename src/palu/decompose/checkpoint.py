@@ -1,0 +1,98 @@
+"""Compressed checkpoints: the factors (safetensors), a config and a manifest.
+
+The manifest names the source model and a hash of its attention weights, the ranks, the methods
+and every calibration setting. Loading against a different base model fails with both hashes.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from ..attention.install import install_palu
+from ..io import atomic_dir, read_json, write_json
+from ..models.adapters import adapter_for, geometry_of
+from .factors import LayerFactors
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A compressed checkpoint is missing, corrupt, or belongs to another model."""
+
+
+def source_hash(model) -> str:
+    """sha256 over the float32 bytes of every attention projection weight, in layer order."""
+    adapter = adapter_for(model.config)
+    h = hashlib.sha256()
+    for layer in adapter.layers(model):
+        attn = adapter.attention(layer)
+        if not hasattr(attn, adapter.k):
+            raise CheckpointError("the model already has Palu attention installed; load a fresh base model")
+        for proj in adapter.projections(attn):
+            h.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_compressed(out_dir: str | Path, factors: list[LayerFactors], manifest: dict) -> Path:
+    tensors = {}
+    for l, lf in enumerate(factors):
+        for kind in ("k", "v"):
+            for g, (A, B) in enumerate(zip(getattr(lf, f"A_{kind}"), getattr(lf, f"B_{kind}"))):
+                tensors[f"layers.{l}.{kind}.{g}.A"] = A.float().contiguous()
+                tensors[f"layers.{l}.{kind}.{g}.B"] = B.float().contiguous()
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "factors.safetensors"))
+        write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, **manifest})
+    return Path(out_dir)
+
+
+def read_manifest(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        raise CheckpointError(f"{path} is not a Palu checkpoint (no manifest.json)")
+    try:
+        manifest = read_json(path / "manifest.json")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format_version {manifest.get('format_version')!r}, "
+                              f"expected {FORMAT_VERSION}")
+    return manifest
+
+
+def load_factors(path: str | Path, num_layers: int, n_groups: int) -> list[LayerFactors]:
+    try:
+        tensors = load_file(str(Path(path) / "factors.safetensors"))
+    except (SafetensorError, FileNotFoundError, OSError) as err:
+        raise CheckpointError(f"{path}/factors.safetensors is missing or corrupt: {err}") from err
+    factors = []
+    try:
+        for l in range(num_layers):
+            lf = LayerFactors()
+            for kind in ("k", "v"):
+                for g in range(n_groups):
+                    getattr(lf, f"A_{kind}").append(tensors[f"layers.{l}.{kind}.{g}.A"])
+                    getattr(lf, f"B_{kind}").append(tensors[f"layers.{l}.{kind}.{g}.B"])
+            factors.append(lf)
+    except KeyError as err:
+        raise CheckpointError(f"{path}: factor tensor {err} is missing (corrupt checkpoint?)") from None
+    return factors
+
+
+def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
+    """Install the checkpoint's Palu attention into `model` (its matching base); return the manifest."""
+    manifest = read_manifest(path)
+    expected, actual = manifest["source"]["hash"], source_hash(model)
+    if expected != actual:
+        raise CheckpointError(
+            f"checkpoint {path} was made from {manifest['source']['model_id']!r} "
+            f"(attention hash {expected[:12]}…) but the model given has hash {actual[:12]}…")
+    geom = geometry_of(model.config)
+    s = manifest["allocation"]["group_size"]
+    factors = load_factors(path, geom.num_layers, geom.check_group_size(s))
+    install_palu(model, factors, s, fuse=manifest["fuse"] if fuse is None else fuse)
+    return manifest

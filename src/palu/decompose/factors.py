@@ -1,0 +1,74 @@
+"""Factorise every layer's K and V projections group by group under a rank allocation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..models.adapters import adapter_for, geometry_of
+from .ranks import ranks_table
+from .svd import factorize, whitening
+
+DECOMPOSITIONS = ("whitened", "plain")
+
+
+@dataclass
+class LayerFactors:
+    """Per group g: A[g] (r_g, hidden) makes the latent, B[g] (group_size*head_dim, r_g) rebuilds."""
+    A_k: list[torch.Tensor] = field(default_factory=list)
+    B_k: list[torch.Tensor] = field(default_factory=list)
+    A_v: list[torch.Tensor] = field(default_factory=list)
+    B_v: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def ranks_k(self) -> list[int]:
+        return [a.shape[0] for a in self.A_k]
+
+    @property
+    def ranks_v(self) -> list[int]:
+        return [a.shape[0] for a in self.A_v]
+
+
+def _output_error(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor) -> float:
+    """Relative error of the block's outputs on the calibration inputs: ‖E X‖ / ‖W X‖ via the Gram."""
+    E = W - B @ A
+    num = torch.einsum("oi,ij,oj->", E, gram, E)
+    den = torch.einsum("oi,ij,oj->", W, gram, W)
+    return float((num / den).clamp_min(0).sqrt())
+
+
+@torch.no_grad()
+def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
+                    method: str = "whitened", progress: bool = True
+                    ) -> tuple[list[LayerFactors], dict]:
+    """Factors for every layer plus a report (whitening method and output error per block)."""
+    if method not in DECOMPOSITIONS:
+        raise ValueError(f"decomposition {method!r} is not one of {DECOMPOSITIONS}")
+    if method == "whitened" and grams is None:
+        raise ValueError("whitened decomposition needs calibration Gram matrices")
+    adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    s = allocation["group_size"]
+    n_groups = geom.check_group_size(s)
+    ranks = ranks_table(allocation)
+    rows = s * geom.head_dim
+    factors, report = [], {"whitening": [], "output_error": []}
+    layers = adapter.layers(model)
+    for l, layer in enumerate(tqdm(layers, desc="decompose", unit="layer", disable=not progress)):
+        _, k, v, _ = adapter.projections(adapter.attention(layer))
+        white = whitening(grams[l]) if method == "whitened" else None
+        report["whitening"].append({"layer": l, "method": white.method if white else "none",
+                                    "damping": white.damping if white else 0.0})
+        lf = LayerFactors()
+        for kind, proj in (("k", k), ("v", v)):
+            W = proj.weight.double().cpu()
+            for g in range(n_groups):
+                Wg = W[g * rows:(g + 1) * rows]
+                A, B = factorize(Wg, ranks[(l, kind, g)], white)
+                getattr(lf, f"A_{kind}").append(A)
+                getattr(lf, f"B_{kind}").append(B)
+                if grams is not None:
+                    report["output_error"].append({"layer": l, "kind": kind, "group": g,
+                                                   "rel_error": _output_error(Wg, A, B, grams[l])})
+        factors.append(lf)
+    return factors, report

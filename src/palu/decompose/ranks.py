@@ -1,0 +1,129 @@
+"""Rank allocation under a kept-ratio budget: uniform, fisher (per group), fisher_uniform (per matrix).
+
+A *slot* is one factorised block: (layer, "k" | "v", group). Ranks are whole multiples of
+`multiple`, each at least one multiple and at most the block's full rank, and their sum equals the
+budget `floor(kept_ratio * original / multiple) * multiple` exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..models.adapters import Geometry
+
+RANK_METHODS = ("uniform", "fisher", "fisher_uniform")
+
+
+@dataclass(frozen=True)
+class Slot:
+    layer: int
+    kind: str   # "k" or "v"
+    group: int
+
+
+def slots(geom: Geometry, group_size: int) -> list[Slot]:
+    n_groups = geom.check_group_size(group_size)
+    return [Slot(l, kind, g) for l in range(geom.num_layers) for kind in ("k", "v")
+            for g in range(n_groups)]
+
+
+def _spread_key(i: int) -> float:
+    # Low-discrepancy tie-break, so equal remainders are spread over the layers, not front-loaded.
+    return (i * 0.6180339887498949) % 1.0
+
+
+def water_fill(weights: list[float], caps: list[int], total: int, floor: int = 1) -> list[int]:
+    """Integers proportional to `weights`, each in [floor, cap], summing to `total` exactly."""
+    n = len(weights)
+    if not floor * n <= total <= sum(caps):
+        raise ValueError(f"budget of {total} units cannot be split over {n} blocks with "
+                         f"{floor}..cap units each (caps sum to {sum(caps)})")
+    share = [0.0] * n
+    free = set(range(n))
+    remaining = float(total)
+    while free:  # proportional shares; pin anything that crosses its bounds and repeat
+        wsum = sum(max(weights[i], 0.0) for i in free)
+        for i in free:
+            share[i] = remaining / len(free) if wsum <= 0 else remaining * max(weights[i], 0.0) / wsum
+        pinned = {i for i in free if share[i] > caps[i] or share[i] < floor}
+        if not pinned:
+            break
+        for i in pinned:
+            share[i] = float(min(max(share[i], floor), caps[i]))
+        free -= pinned
+        remaining = total - sum(share[i] for i in range(n) if i not in free)
+    units = [min(max(math.floor(s + 1e-9), floor), caps[i]) for i, s in enumerate(share)]
+    order = sorted(range(n), key=lambda i: (-(share[i] - units[i]), _spread_key(i)))
+    deficit = total - sum(units)
+    while deficit != 0:  # largest remainder first; loops only for blocks that still have room
+        step = 1 if deficit > 0 else -1
+        moved = False
+        for i in order if step > 0 else reversed(order):
+            if deficit == 0:
+                break
+            if floor <= units[i] + step <= caps[i]:
+                units[i] += step
+                deficit -= step
+                moved = True
+        if not moved:
+            raise RuntimeError("rank allocation could not meet the budget")  # guarded above
+    return units
+
+
+def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "uniform",
+             multiple: int = 8, fisher: torch.Tensor | None = None) -> dict:
+    """Ranks for every slot; `fisher` is (layers, 2, kv_heads) importance for methods using it."""
+    if not 0 < kept_ratio <= 1:
+        raise ValueError(f"kept_ratio={kept_ratio} must lie in (0, 1]")
+    if method not in RANK_METHODS:
+        raise ValueError(f"rank method {method!r} is not one of {RANK_METHODS}")
+    if method != "uniform" and fisher is None:
+        raise ValueError(f"rank method {method!r} needs Fisher scores")
+    block = group_size * geom.head_dim
+    full = min(block, geom.hidden_size)
+    if full % multiple:
+        raise ValueError(f"rank_multiple={multiple} does not divide the full block rank {full}")
+    all_slots = slots(geom, group_size)
+    original = geom.num_layers * geom.kv_size()
+    budget_units = math.floor(kept_ratio * original / multiple + 1e-9)
+    budget_units = min(budget_units, len(all_slots) * full // multiple)
+    cap = full // multiple
+    if method == "uniform":
+        units = water_fill([1.0] * len(all_slots), [cap] * len(all_slots), budget_units)
+    elif method == "fisher":
+        units = water_fill([_slot_importance(fisher, s, group_size) for s in all_slots],
+                           [cap] * len(all_slots), budget_units)
+    else:
+        units = _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units)
+    ranks = [u * multiple for u in units]
+    total = sum(ranks)
+    return {
+        "method": method, "kept_ratio_target": kept_ratio, "group_size": group_size,
+        "multiple": multiple, "original_size": original, "latent_size": total,
+        "kept_ratio_realised": total / original,
+        "ranks": [{"layer": s.layer, "kind": s.kind, "group": s.group, "rank": r, "full": full}
+                  for s, r in zip(all_slots, ranks)],
+    }
+
+
+def _slot_importance(fisher: torch.Tensor, slot: Slot, group_size: int) -> float:
+    heads = slice(slot.group * group_size, (slot.group + 1) * group_size)
+    return float(fisher[slot.layer, 0 if slot.kind == "k" else 1, heads].sum())
+
+
+def _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units) -> list[int]:
+    n_groups = geom.num_kv_heads // group_size
+    matrices = [(l, kind) for l in range(geom.num_layers) for kind in ("k", "v")]
+    weights = [float(fisher[l, 0 if kind == "k" else 1].sum()) for l, kind in matrices]
+    per_matrix = water_fill(weights, [cap * n_groups] * len(matrices), budget_units, floor=n_groups)
+    units = []
+    for m_units in per_matrix:  # even split of each matrix's share over its groups
+        base, extra = divmod(m_units, n_groups)
+        units.extend(base + (1 if g < extra else 0) for g in range(n_groups))
+    return units
+
+
+def ranks_table(allocation: dict) -> dict[tuple[int, str, int], int]:
+    return {(r["layer"], r["kind"], r["group"]): r["rank"] for r in allocation["ranks"]}

@@ -1,0 +1,55 @@
+"""Low-rank factorisation of one projection: plain SVD or truncation-aware (whitened) SVD.
+
+For `y = W x` we return `A` (r x in) and `B` (out x r) with `y ≈ B (A x)`. The whitened variant
+(SVD-LLM) minimises ‖(W - BA) X‖ over calibration inputs X through the Gram G = XᵀX = S Sᵀ.
+All arithmetic is float64.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Whitening:
+    S: torch.Tensor         # (in, in) with S Sᵀ = G (+ damping)
+    S_inv: torch.Tensor
+    method: str             # cholesky | cholesky_damped | eigen
+    damping: float
+
+
+def whitening(gram: torch.Tensor, max_tries: int = 6) -> Whitening:
+    """Cholesky of the Gram, damped if needed, else an eigen fallback; never raises on PSD input."""
+    G = gram.double()
+    G = (G + G.T) / 2
+    scale = G.diagonal().mean().clamp_min(1e-30).item()
+    damping = 0.0
+    for attempt in range(max_tries):
+        L, info = torch.linalg.cholesky_ex(G + damping * scale * torch.eye(len(G), dtype=G.dtype))
+        if info.item() == 0:
+            S_inv = torch.linalg.solve_triangular(L, torch.eye(len(G), dtype=G.dtype), upper=False)
+            return Whitening(L, S_inv, "cholesky" if damping == 0 else "cholesky_damped", damping)
+        damping = 1e-8 * 100 ** attempt
+    # Eigen fallback: S = Q Λ^½ is not triangular, but any S with S Sᵀ = G serves.
+    evals, Q = torch.linalg.eigh(G)
+    floor = max(evals.max().item() * 1e-10, 1e-30)
+    evals = evals.clamp_min(floor)
+    return Whitening(Q * evals.sqrt(), (Q / evals.sqrt()).T, "eigen", floor / scale)
+
+
+def factorize(W: torch.Tensor, rank: int, white: Whitening | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-`rank` factors (A, B) of W (out x in); whitened when `white` is given."""
+    out_dim, in_dim = W.shape
+    if not 0 < rank <= min(out_dim, in_dim):
+        raise ValueError(f"rank={rank} outside 1..{min(out_dim, in_dim)} for a {out_dim}x{in_dim} matrix")
+    W = W.double()
+    target = W @ white.S if white is not None else W
+    U, sigma, Vh = torch.linalg.svd(target, full_matrices=False)
+    root = sigma[:rank].sqrt()
+    B = U[:, :rank] * root                          # (out, r)
+    A = root[:, None] * Vh[:rank]                   # (r, in)
+    if white is not None:
+        A = A @ white.S_inv
+    return A, B

