@@ -16,3 +16,4 @@ rule all:
     input:
         expand(f"{R}/tables/{{table}}.{{ext}}", table=TABLES, ext=["csv", "md"]),
         f"{R}/figures/rank_allocation.png",
+        f"{R}/tables/cache_memory.md",

@@ -59,6 +59,13 @@ class PaluConfig:
 
 
 @dataclass
+class GenerateConfig:
+    context: int = 4096                 # prefill length whose cache memory is measured
+    prompt: str = "The history of the university began in"
+    new_tokens: int = 40
+
+
+@dataclass
 class TrackingConfig:
     mode: str = "offline"               # offline | online | disabled
     project: str = "palu"
@@ -79,6 +86,7 @@ class Config:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     fisher: FisherConfig = field(default_factory=FisherConfig)
     palu: PaluConfig = field(default_factory=PaluConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     method: str = "fp16"                # fp16 | palu
@@ -97,7 +105,8 @@ _CHOICES = {
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),
 }
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
-             "fisher.seqlen", "palu.group_size", "palu.rank_multiple")
+             "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
+             "generate.context", "generate.new_tokens")
 
 
 def validate(cfg: DictConfig | dict) -> DictConfig:

@@ -26,3 +26,22 @@ rule rank_allocation_figure:
     shell:
         "{PY} -m palu.cli.collect table=rank_allocation 'inputs=[{input}]' out={output} "
         "tracking=disabled > {log} 2>&1"
+
+
+rule cache_memory:
+    input:
+        model=f"{W}/models/{M}",
+        checkpoint=lambda w: checkpoint_of(GRID.memory_wildcards()),
+    output:
+        json=f"{R}/tables/cache_memory.json",
+        md=f"{R}/tables/cache_memory.md",
+    log:
+        f"{W}/logs/collect/cache_memory.log",
+    params:
+        palu=lambda w: palu_overrides(GRID.memory_wildcards()),
+        context=config["memory"]["context"],
+    threads: workflow.cores
+    shell:
+        "{PY} -m palu.cli.generate {COMMON} {params.palu} method=palu checkpoint={input.checkpoint} "
+        "data={config[memory][corpus]} generate.context={params.context} out={output.json} "
+        "tracking=disabled progress=false > {log} 2>&1"

@@ -28,7 +28,8 @@ rule evaluate_palu:
     threads: workflow.cores
     params:
         max_tokens=max_tokens,
+        palu=palu_overrides,
     shell:
-        "{PY} -m palu.cli.evaluate {COMMON} method=palu checkpoint={input.checkpoint} "
+        "{PY} -m palu.cli.evaluate {COMMON} {params.palu} method=palu checkpoint={input.checkpoint} "
         "data={wildcards.corpus} data.seqlen={wildcards.seqlen} data.max_tokens={params.max_tokens} "
         "out={output} progress=false > {log} 2>&1"

@@ -26,6 +26,18 @@ def output_path(cfg) -> str:
                                               cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens))
 
 
+def check_matches_config(manifest: dict, cfg) -> None:
+    """The recorded `palu.*` config must describe the checkpoint that was evaluated."""
+    summary = manifest["summary"]
+    wanted = {"kept_ratio_target": cfg.palu.kept_ratio, "group_size": cfg.palu.group_size,
+              "rank_method": cfg.palu.rank_method, "decomposition": cfg.palu.decomposition}
+    bad = {k: (v, summary[k]) for k, v in wanted.items() if summary[k] != v}
+    if bad:
+        detail = ", ".join(f"{k}: config {a!r} vs checkpoint {b!r}" for k, (a, b) in bad.items())
+        raise ValueError(f"checkpoint {cfg.checkpoint} does not match the palu.* config ({detail}); "
+                         "pass the palu.* settings it was made with")
+
+
 def _preflight(cfg, path: str) -> None:
     """Everything that can be checked without the weights, so bad input fails in seconds."""
     src = resolve_source(path)
@@ -45,6 +57,7 @@ def run(cfg) -> dict:
     if cfg.method == "palu":
         from ..decompose.checkpoint import load_compressed
         manifest = load_compressed(model, cfg.checkpoint)
+        check_matches_config(manifest, cfg)
     tag = method_tag(cfg)
     name = f"{cfg.model.name}/{tag}/{cfg.data.corpus}-L{cfg.data.seqlen}"
     with tracked_run(cfg.tracking, record(cfg)["config"], job_type="evaluate", name=name,

@@ -90,6 +90,10 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
     budget_units = math.floor(kept_ratio * original / multiple + 1e-9)
     budget_units = min(budget_units, len(all_slots) * full // multiple)
     cap = full // multiple
+    if budget_units < len(all_slots):
+        raise ValueError(f"kept_ratio={kept_ratio} leaves {budget_units * multiple} latent dims for "
+                         f"{len(all_slots)} blocks: less than rank_multiple={multiple} each; "
+                         "raise the kept ratio or lower rank_multiple")
     if method == "uniform":
         units = water_fill([1.0] * len(all_slots), [cap] * len(all_slots), budget_units)
     elif method == "fisher":

@@ -15,7 +15,7 @@ from . import naming
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
-         "granularity", "rank_search", "rank_figure"}
+         "granularity", "rank_search", "rank_figure", "memory"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,17 @@ class Grid:
     def figure_spec(self) -> PaluSpec:
         f = self.c["rank_figure"]
         return PaluSpec("whitened", f["rank_method"], float(f["kept_ratio"]), int(f["group_size"]))
+
+    def memory_spec(self) -> PaluSpec:
+        m = self.c["memory"]
+        return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
+
+    def memory_wildcards(self):
+        """The memory run's checkpoint in the Snakefile's wildcard vocabulary."""
+        from types import SimpleNamespace
+        s = self.memory_spec()
+        return SimpleNamespace(decomp=s.decomposition, method=s.rank_method,
+                               kept=naming.fmt_ratio(s.kept_ratio), group=str(s.group_size))
 
     def metrics(self, method_tag: str) -> list[str]:
         ev = self.c["eval"]

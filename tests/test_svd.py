@@ -1,0 +1,52 @@
+import torch
+
+from palu.decompose.svd import factorize, whitening
+
+
+def _data(seed=0, n=400, d_in=32, d_out=24):
+    g = torch.Generator().manual_seed(seed)
+    # Correlated, anisotropic inputs: the case whitening exists for.
+    mix = torch.randn(d_in, d_in, generator=g, dtype=torch.float64) * torch.logspace(0, -2, d_in, dtype=torch.float64)
+    X = torch.randn(n, d_in, generator=g, dtype=torch.float64) @ mix
+    W = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    return W, X
+
+
+def test_full_rank_is_exact():
+    W, X = _data()
+    for white in (None, whitening(X.T @ X)):
+        A, B = factorize(W, min(W.shape), white)
+        assert torch.allclose(B @ A, W, atol=1e-9, rtol=0)
+
+
+def test_whitened_beats_plain_on_held_out_activations():
+    W, X = _data(n=800)
+    calib, held_out = X[:400], X[400:]
+    white = whitening(calib.T @ calib)
+    for rank in (4, 8, 12):
+        errs = {}
+        for name, wh in (("plain", None), ("whitened", white)):
+            A, B = factorize(W, rank, wh)
+            errs[name] = ((held_out @ (W - B @ A).T).norm() / (held_out @ W.T).norm()).item()
+        assert errs["whitened"] < 0.9 * errs["plain"], (rank, errs)
+
+
+def test_singular_gram_falls_back_and_stays_finite():
+    W, X = _data(n=10)  # 10 samples for 32 inputs: a rank-10 Gram
+    white = whitening(X.T @ X)
+    assert white.method in ("cholesky_damped", "eigen")
+    A, B = factorize(W, 8, white)
+    assert torch.isfinite(A).all() and torch.isfinite(B).all()
+    zero = whitening(torch.zeros(32, 32, dtype=torch.float64))
+    assert torch.isfinite(zero.S_inv).all()
+
+
+def test_bad_rank_is_rejected():
+    W, _ = _data()
+    for rank in (0, 25):
+        try:
+            factorize(W, rank)
+        except ValueError as err:
+            assert str(rank) in str(err)
+        else:
+            raise AssertionError("rank out of range accepted")
