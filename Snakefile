@@ -10,6 +10,7 @@ include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/decompose.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/collect.smk"
+include: "workflow/rules/latency.smk"
 
 
 rule all:
@@ -17,3 +18,4 @@ rule all:
         expand(f"{R}/tables/{{table}}.{{ext}}", table=TABLES, ext=["csv", "md"]),
         f"{R}/figures/rank_allocation.png",
         f"{R}/tables/cache_memory.md",
+        f"{R}/tables/latency.md",

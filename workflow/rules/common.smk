@@ -1,4 +1,5 @@
 import sys
+from pathlib import Path
 
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid, PaluSpec

@@ -1,6 +1,8 @@
 """Step `collect`: tables (CSV + Markdown) and figures from the runs; logs tables to W&B."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
 from omegaconf import OmegaConf
 
@@ -17,10 +19,26 @@ TITLES = {
 FIGURES = {"rank_allocation": rank_allocation_from_file}
 
 
+def latency_outputs(inputs: list[str], prefix: str) -> None:
+    """results/tables/latency.{csv,md} and results/figures/latency_speedup.png."""
+    from ..io import read_json, write_text
+    from ..reporting.latency import latency_frame, latency_markdown, speedup_figure
+    frame = latency_frame(inputs)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", latency_markdown(frame, read_json(inputs[0])["ceilings"]))
+    figure = Path(prefix).parent.parent / "figures" / "latency_speedup.png"
+    speedup_figure(frame, figure)
+
+
 def run(cfg) -> None:
-    if cfg.table not in TITLES and cfg.table not in FIGURES:
-        raise ValueError(f"table={cfg.table!r} is not one of {sorted(TITLES) + sorted(FIGURES)}")
+    if cfg.table not in TITLES and cfg.table not in FIGURES and cfg.table != "latency":
+        raise ValueError(f"table={cfg.table!r} is not one of "
+                         f"{sorted(TITLES) + sorted(FIGURES) + ['latency']}")
     inputs = list(cfg.inputs)
+    if cfg.table == "latency":
+        latency_outputs(inputs, cfg.out)
+        log.info("latency table from %d files -> %s.{csv,md}", len(inputs), cfg.out)
+        return
     if cfg.table in FIGURES:
         if len(inputs) != 1:
             raise ValueError(f"figure {cfg.table!r} takes exactly one input, got {len(inputs)}")

@@ -1,0 +1,66 @@
+"""Latent cache layout shared by the latent cache and the kernels.
+
+Latents of one layer: ``[batch, groups, tokens, rank]`` (any strides for batch / group / token,
+unit stride along rank). The latent cache's concatenated layout ``[batch, 1, tokens, groups*rank]``
+is the same memory seen through `as_groups` without a copy.
+
+Quantised latents (``bits`` in {2, 4, 8}): asymmetric min-max per token and group, packed along
+the rank so that byte ``c`` holds elements ``c + k * rank / per_byte`` for ``k < per_byte``
+(``per_byte = 8 // bits``) in bits ``k*bits .. k*bits + bits - 1``. A kernel therefore dequantises
+``per_byte`` contiguous slices of the rank without any interleaving. Scales and zero points are
+fp16 tensors ``[batch, groups, tokens]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def as_groups(latents: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, T, G*R] (the latent cache) -> a [B, G, T, R] view, no copy."""
+    B, one, T, GR = latents.shape
+    if one != 1 or GR % groups:
+        raise ValueError(f"latents of shape {tuple(latents.shape)} cannot be split into {groups} groups")
+    return latents.view(B, T, groups, GR // groups).permute(0, 2, 1, 3)
+
+
+@dataclass
+class QuantLatent:
+    data: torch.Tensor    # uint8 [B, G, T, R // per_byte]
+    scale: torch.Tensor   # fp16 [B, G, T]
+    zero: torch.Tensor    # fp16 [B, G, T]
+    bits: int
+    rank: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero))
+
+
+def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
+    """Per-token, per-group asymmetric min-max quantisation of [B, G, T, R] latents, packed."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not one of {SUPPORTED_BITS}")
+    per_byte, R = 8 // bits, h.shape[-1]
+    if R % per_byte:
+        raise ValueError(f"rank {R} is not a multiple of {per_byte} ({bits}-bit packing)")
+    levels = 2 ** bits - 1
+    hf = h.float()
+    lo, hi = hf.amin(-1), hf.amax(-1)
+    scale = ((hi - lo) / levels).clamp_min(1e-8).half()
+    zero = (-lo / scale.float()).round().clamp(0, levels).half()
+    q = (hf / scale.float()[..., None] + zero.float()[..., None]).round().clamp(0, levels).to(torch.uint8)
+    parts = q.split(R // per_byte, dim=-1)
+    packed = torch.zeros_like(parts[0])
+    for k, part in enumerate(parts):
+        packed |= part << (k * bits)
+    return QuantLatent(packed.contiguous(), scale.contiguous(), zero.contiguous(), bits, R)
+
+
+def dequantize_latent(q: QuantLatent, dtype=torch.float16) -> torch.Tensor:
+    per_byte, mask = 8 // q.bits, 2 ** q.bits - 1
+    parts = [((q.data >> (k * q.bits)) & mask) for k in range(per_byte)]
+    ints = torch.cat(parts, -1).float()
+    return ((ints - q.zero.float()[..., None]) * q.scale.float()[..., None]).to(dtype)

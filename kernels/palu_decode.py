@@ -1,0 +1,302 @@
+"""Triton decode attention over Palu latents (one query token per sequence).
+
+Three launches, flash-decoding style (the sequence is split across programs, then reduced):
+  1. `_scores`: per unit (a KV head for RoPE models, a group otherwise) and sequence split, load
+     latent-key tiles (fp16 or packed 2/4/8-bit, dequantised on-chip), rebuild the head's key tile
+     with B_k (RoPE) and rotate it for its positions, dot with the unit's query heads. Keys never
+     touch memory; only the scores (4 bytes per head per token) are written.
+  2. `_values`: per group, split and rank chunk: online softmax over the split's scores and
+     accumulation of the attention-weighted *latent* values (never rebuilt).
+  3. `_combine`: merge the splits' (max, sum, acc) into z [B, H, Rv].
+The caller maps z to the hidden size (fused o_proj, or B_v then o_proj).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import QuantLatent
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dequant(raw, scale, zero, k, BITS: tl.constexpr):
+    # raw [BT, C] uint8 (or fp16 when BITS == 16); scale / zero [BT]
+    if BITS == 16:
+        return raw.to(tl.float32)
+    q = ((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+    return (q - zero[:, None]) * scale[:, None]
+
+
+@triton.jit
+def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
+            T, tokens_per_split, qk_scale,
+            s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_pb, s_ob, s_oh,
+            UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
+            R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, QDIM: tl.constexpr,
+            ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
+            CONTIG: tl.constexpr):
+    pid_u, pid_s = tl.program_id(0), tl.program_id(1)
+    b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
+    g = u // UNITS_PER_GROUP
+    PER_BYTE: tl.constexpr = 1 if BITS == 16 else 8 // BITS
+    RP: tl.constexpr = R // PER_BYTE                  # stored columns
+    ONE_CHUNK: tl.constexpr = (PER_BYTE == 1) and (BLOCK_R == R)
+    rows = tl.arange(0, M)
+    row_ok = rows < ROWS
+    length = tl.load(LENS + b)
+    t0 = pid_s * tokens_per_split
+    t_end = tl.minimum(t0 + tokens_per_split, length)
+    q_rows = Q + b * s_qb + (u * ROWS + rows)[:, None] * s_qh
+    offs_h = tl.arange(0, HALF)
+    offs_r = tl.arange(0, BLOCK_R)
+    if ROPE:
+        q1 = tl.load(q_rows + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+        q2 = tl.load(q_rows + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+        inv_freq = tl.load(INVF + offs_h)
+        jl = u % UNITS_PER_GROUP                      # this KV head inside its group
+        b_rows = BK + g * (UNITS_PER_GROUP * 2 * HALF * R) + (jl * 2 * HALF + offs_h)[:, None] * R
+        if CONTIG:
+            # Positions p0 + t + i: cos/sin of (p0 + t)θ per tile by angle addition with a
+            # per-program table of iθ, so the trig cost is per tile column, not per element.
+            ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
+            ci, si = tl.cos(ang_i), tl.sin(ang_i)
+            p0 = tl.load(POS0 + b).to(tl.float32)
+        # Small fp16 ranks fit one chunk: keep this head's B_k halves in registers for all tiles.
+        if ONE_CHUNK:
+            b1_all = tl.load(b_rows + offs_r[None, :]).to(tl.float16)
+            b2_all = tl.load(b_rows + HALF * R + offs_r[None, :]).to(tl.float16)
+    for t in range(t0, t_end, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        k_ptr = HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt
+        if BITS != 16:
+            sc = tl.load(HKS + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            zp = tl.load(HKZ + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+        else:
+            sc = tl.zeros([BLOCK_T], tl.float32)
+            zp = sc
+        if ROPE:
+            k1 = tl.zeros([BLOCK_T, HALF], tl.float32)
+            k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
+        else:
+            s = tl.zeros([M, BLOCK_T], tl.float32)
+        for c0 in tl.static_range(0, RP, BLOCK_R):
+            cols = c0 + offs_r
+            raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
+            for k in tl.static_range(PER_BYTE):
+                h = _dequant(raw, sc, zp, k, BITS).to(tl.float16)          # (BT, BR)
+                rcols = k * RP + cols                                          # rank indices
+                if ROPE:
+                    if ONE_CHUNK:
+                        b1, b2 = b1_all, b2_all
+                    else:
+                        b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
+                        b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
+                    k1 += tl.dot(h, tl.trans(b1))
+                    k2 += tl.dot(h, tl.trans(b2))
+                else:
+                    qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+                    s += tl.dot(qf, tl.trans(h))
+        if ROPE:
+            if CONTIG:
+                a = (p0 + t) * inv_freq
+                ca, sa = tl.cos(a)[None, :], tl.sin(a)[None, :]
+                cos, sin = ci * ca - si * sa, si * ca + ci * sa
+            else:
+                pos = tl.load(POS + b * s_pb + offs_t, mask=t_ok, other=0).to(tl.float32)
+                ang = pos[:, None] * inv_freq[None, :]
+                cos, sin = tl.cos(ang), tl.sin(ang)
+            r1 = (k1 * cos - k2 * sin).to(tl.float16)
+            r2 = (k2 * cos + k1 * sin).to(tl.float16)
+            s = tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))
+        s = s * qk_scale
+        out = S + b * s_ob + (u * ROWS + rows)[:, None] * s_oh + offs_t[None, :]
+        tl.store(out, s, mask=row_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
+            tokens_per_split, n_splits,
+            s_sb, s_sh, s_vb, s_vg, s_vt, s_qb, s_qg, s_qt,
+            ROWS: tl.constexpr, M: tl.constexpr, RV: tl.constexpr, BLOCK_RV: tl.constexpr,
+            BITS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr):
+    pid_g, pid_s, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, g = pid_g // G, pid_g % G
+    PER_BYTE: tl.constexpr = 1 if BITS == 16 else 8 // BITS
+    RVP: tl.constexpr = RV // PER_BYTE
+    CHUNKS: tl.constexpr = RVP // BLOCK_RV
+    k, c0 = pid_c // CHUNKS, (pid_c % CHUNKS) * BLOCK_RV
+    rows = tl.arange(0, M)
+    row_ok = rows < ROWS
+    cols = c0 + tl.arange(0, BLOCK_RV)
+    length = tl.load(LENS + b)
+    t0 = pid_s * tokens_per_split
+    t_end = tl.minimum(t0 + tokens_per_split, length)
+    m_i = tl.full([M], -float("inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, BLOCK_RV], tl.float32)
+    for t in range(t0, t_end, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        s = tl.load(S + b * s_sb + (g * ROWS + rows)[:, None] * s_sh + offs_t[None, :],
+                    mask=row_ok[:, None] & t_ok[None, :], other=-float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        raw = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cols[None, :],
+                      mask=t_ok[:, None], other=0)
+        if BITS != 16:
+            sc = tl.load(HVS + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
+            zp = tl.load(HVZ + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
+            v = ((((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - zp[:, None])
+                 * sc[:, None])
+        else:
+            v = raw
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        m_i = m_new
+    base = ((b * G + g) * n_splits + pid_s) * M
+    out_cols = k * RVP + cols
+    tl.store(ACC + (base + rows)[:, None] * RV + out_cols[None, :], acc, mask=row_ok[:, None])
+    if pid_c == 0:
+        tl.store(MS + base + rows, m_i, mask=row_ok)
+        tl.store(LS + base + rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine(ACC, MS, LS, Z, n_splits, s_zb, s_zh,
+             ROWS: tl.constexpr, M: tl.constexpr, RV: tl.constexpr, RV_P2: tl.constexpr,
+             G: tl.constexpr):
+    pid = tl.program_id(0)                      # one query head of one sequence
+    b, h = pid // (G * ROWS), pid % (G * ROWS)
+    g, row = h // ROWS, h % ROWS
+    cols = tl.arange(0, RV_P2)
+    col_ok = cols < RV
+    m_max = tl.full([1], -float("inf"), tl.float32)
+    for sp in range(n_splits):
+        m_max = tl.maximum(m_max, tl.load(MS + ((b * G + g) * n_splits + sp) * M + row + tl.zeros([1], tl.int32)))
+    m_safe = tl.where(m_max == -float("inf"), 0.0, m_max)
+    num = tl.zeros([RV_P2], tl.float32)
+    den = tl.zeros([1], tl.float32)
+    for sp in range(n_splits):
+        idx = ((b * G + g) * n_splits + sp) * M + row
+        w = tl.exp2(tl.load(MS + idx + tl.zeros([1], tl.int32)) - m_safe)
+        den += w * tl.load(LS + idx + tl.zeros([1], tl.int32))
+        num += w * tl.load(ACC + idx * RV + cols, mask=col_ok, other=0.0)
+    tl.store(Z + b * s_zb + h * s_zh + cols, num / den, mask=col_ok)
+
+
+def _bits_and_parts(x, name):
+    if isinstance(x, QuantLatent):
+        return x.bits, x.data, x.scale, x.zero, x.rank
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} latents must be fp16/bf16 or QuantLatent, got {x.dtype}")
+    return 16, x, x, x, x.shape[-1]
+
+
+def _check_pow2(value, name):
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= 16 for the kernel "
+                         "(use the torch reference path otherwise)")
+
+
+def _pow2_block(columns: int, cap: int) -> int:
+    """Largest power of two <= cap dividing `columns` (tl.arange needs powers of two)."""
+    b = 1
+    while b * 2 <= cap and columns % (b * 2) == 0:
+        b *= 2
+    if b < 16:
+        raise ValueError(f"{columns} stored columns have no power-of-two block >= 16 "
+                         "(tl.dot needs 16); use the torch reference path for this rank")
+    return b
+
+
+def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
+                positions=None, position_offset=None, inv_freq=None, lengths=None,
+                splits: int | None = None,
+                block_t: int = 64, block_r: int = 64, block_rv: int = 64,
+                stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
+    """One decode step of attention over latents; returns z [B, H, Rv] (float32).
+
+    Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
+    [G, group_size*D, Rk] is given (q [B, H, D] already rotated, positions [B, T],
+    inv_freq [D/2]); otherwise q is the fused query [B, H, Rk]. Positions are either arbitrary
+    (`positions` [B, T]) or contiguous from `position_offset` [B] (the usual cache; faster RoPE).
+    """
+    kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
+    vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
+    B, G, T, _ = kdata.shape
+    H = q.shape[1]
+    if H != G * group_size * n_rep:
+        raise ValueError(f"{H} query heads != {G} groups x {group_size} KV heads x {n_rep}")
+    rope = bk is not None
+    if rope:
+        D = q.shape[-1]
+        _check_pow2(D // 2, "head_dim/2")
+        if bk.shape != (G, group_size * D, rk):
+            raise ValueError(f"bk shape {tuple(bk.shape)} != {(G, group_size * D, rk)}")
+        units_per_group, rows = group_size, n_rep
+        bk = bk.to(torch.float16).contiguous()
+    else:
+        if q.shape[-1] != rk:
+            raise ValueError(f"fused query dim {q.shape[-1]} != key rank {rk}")
+        units_per_group, rows = 1, group_size * n_rep
+    for r, bits, name in ((rk, kbits, "key rank"), (rv, vbits, "value rank")):
+        per = 1 if bits == 16 else 8 // bits
+        if (r // per) % 16:
+            raise ValueError(f"{name} {r} must give a multiple of 16 stored columns ({bits}-bit)")
+    dev = kdata.device
+    lengths = (torch.full((B,), T, dtype=torch.int32, device=dev) if lengths is None
+               else lengths.to(torch.int32).contiguous())
+    contig = positions is None
+    if contig:
+        pos0 = (torch.zeros(B, dtype=torch.int32, device=dev) if position_offset is None
+                else position_offset.to(torch.int32).contiguous())
+        positions = pos0[:, None]
+    else:
+        positions, pos0 = positions.to(torch.int32), lengths
+    if inv_freq is None:
+        inv_freq = torch.ones(1, device=dev)
+    inv_freq = inv_freq.float().contiguous()
+    units = G * units_per_group
+    if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
+    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+    splits = triton.cdiv(T, per_split)
+    M = max(16, triton.next_power_of_2(rows))
+    mv = max(16, triton.next_power_of_2(group_size * n_rep))
+    S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
+    ks = kscale if kbits != 16 else kdata
+    br = _pow2_block(rk // (1 if kbits == 16 else 8 // kbits), block_r)
+    _scores[(B * units, splits)](
+        q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
+        T, per_split, scale * LOG2E,
+        q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
+        ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
+        UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
+        HALF=(q.shape[-1] // 2 if rope else 16), QDIM=q.shape[-1], ROPE=rope, BITS=kbits,
+        BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, num_stages=stages[0], num_warps=warps[0])
+    rvp = rv // (1 if vbits == 16 else 8 // vbits)
+    brv = _pow2_block(rvp, block_rv)
+    chunks = (rv // rvp) * (rvp // brv)
+    acc = torch.empty(B, G, splits, mv, rv, device=dev, dtype=torch.float32)
+    ms = torch.empty(B, G, splits, mv, device=dev, dtype=torch.float32)
+    ls = torch.empty_like(ms)
+    vs = vscale if vbits != 16 else vdata
+    _values[(B * G, splits, chunks)](
+        S, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
+        S.stride(0), S.stride(1), vdata.stride(0), vdata.stride(1), vdata.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2),
+        ROWS=group_size * n_rep, M=mv, RV=rv, BLOCK_RV=brv, BITS=vbits, BLOCK_T=block_t, G=G,
+        num_stages=stages[1], num_warps=warps[1])
+    z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
+    _combine[(B * H,)](acc, ms, ls, z, splits, z.stride(0), z.stride(1),
+                       ROWS=group_size * n_rep, M=mv, RV=rv, RV_P2=triton.next_power_of_2(rv), G=G)
+    return z

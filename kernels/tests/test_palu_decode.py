@@ -1,0 +1,104 @@
+"""Kernel vs torch reference on tiny shapes; runs on CPU through the Triton interpreter."""
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from kernels.layout import as_groups, dequantize_latent, quantize_latent  # noqa: E402
+from kernels.palu_decode import palu_decode  # noqa: E402
+from kernels.reference import latent_decode_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(B, G, s, n_rep, T, rk, rv, D=32, rope=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    H = G * s * n_rep
+    q = torch.randn(B, H, D if rope else rk, generator=g).half()
+    hk = torch.randn(B, G, T, rk, generator=g).half()
+    hv = torch.randn(B, G, T, rv, generator=g).half()
+    bk = (torch.randn(G, s * D, rk, generator=g) / math.sqrt(rk)).half() if rope else None
+    pos = torch.arange(T).expand(B, T).contiguous() + 3
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    return [t.to(DEV) if isinstance(t, torch.Tensor) else t for t in (q, hk, hv, bk, pos, inv_freq)]
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("block_r", [16, 32])  # 32 = the whole rank: B_k kept in registers
+@pytest.mark.parametrize("B, G, s, n_rep, T", [(1, 2, 1, 1, 37), (2, 1, 2, 2, 70), (1, 2, 2, 1, 129)])
+def test_fp16_latents_match_reference(rope, block_r, B, G, s, n_rep, T):
+    q, hk, hv, bk, pos, invf = _case(B, G, s, n_rep, T, rk=32, rv=32, rope=rope)
+    kw = dict(scale=0.17, n_rep=n_rep, group_size=s, bk=bk, positions=pos, inv_freq=invf)
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, splits=2, block_t=16, block_r=block_r, block_rv=16, **kw)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 5e-3  # fp16 operands, fp32 accumulation
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("rope", [True, False])
+def test_quantised_latents_match_dequantised_reference(bits, rope):
+    q, hk, hv, bk, pos, invf = _case(1, 2, 1, 2, 45, rk=64, rv=64, rope=rope, seed=bits)
+    qk, qv = quantize_latent(hk, bits), quantize_latent(hv, bits)
+    kw = dict(scale=0.2, n_rep=2, group_size=1, bk=bk, positions=pos, inv_freq=invf)
+    ref = latent_decode_reference(q, dequantize_latent(qk), dequantize_latent(qv), **kw)
+    out = palu_decode(q, qk, qv, splits=3, block_t=16, block_r=16, block_rv=16, **kw)
+    assert _rel(out, ref) < 5e-3
+
+
+def test_ragged_batch_masks_each_tail_and_strided_cache_layout():
+    B, G, T = 2, 2, 50
+    q, hk, hv, bk, pos, invf = _case(B, G, 1, 1, T, rk=32, rv=32)
+    lengths = torch.tensor([50, 23], device=DEV)
+    # The latent cache's [B, 1, T, G*R] layout, seen as groups without a copy.
+    cache_k = hk.permute(0, 2, 1, 3).reshape(B, 1, T, -1)
+    cache_v = hv.permute(0, 2, 1, 3).reshape(B, 1, T, -1)
+    kw = dict(scale=0.2, n_rep=1, group_size=1, bk=bk, positions=pos, inv_freq=invf, lengths=lengths)
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, as_groups(cache_k, G), as_groups(cache_v, G), splits=2, block_t=16,
+                      block_r=16, block_rv=16, **kw)
+    assert _rel(out, ref) < 5e-3
+
+
+def test_quantise_round_trip_error_is_bounded():
+    h = torch.randn(2, 3, 40, 64)
+    for bits in (8, 4, 2):
+        err = (dequantize_latent(quantize_latent(h, bits), torch.float32) - h).abs()
+        step = (h.amax(-1) - h.amin(-1)) / (2 ** bits - 1)
+        assert (err <= step[..., None] * 0.51 + 1e-2).all()
+
+
+def test_bad_shapes_are_rejected():
+    q, hk, hv, bk, pos, invf = _case(1, 2, 1, 1, 20, rk=32, rv=32)
+    with pytest.raises(ValueError, match="query heads"):
+        palu_decode(q, hk, hv, scale=1.0, n_rep=2, group_size=1, bk=bk, positions=pos, inv_freq=invf)
+    with pytest.raises(TypeError, match="fp16/bf16"):
+        palu_decode(q, hk.float(), hv, scale=1.0, n_rep=1, group_size=1, bk=bk, positions=pos,
+                    inv_freq=invf)
+    q2, hk2, hv2, bk2, pos2, invf2 = _case(1, 1, 1, 1, 20, rk=32, rv=32, D=24)
+    with pytest.raises(ValueError, match="head_dim/2"):
+        palu_decode(q2, hk2, hv2, scale=1.0, n_rep=1, group_size=1, bk=bk2, positions=pos2,
+                    inv_freq=invf2)
+
+
+def test_contiguous_positions_fast_rope_matches_reference():
+    q, hk, hv, bk, pos, invf = _case(2, 2, 1, 2, 75, rk=32, rv=48)
+    off = torch.tensor([5, 1000], device=DEV)
+    kw = dict(scale=0.2, n_rep=2, group_size=1, bk=bk, inv_freq=invf, position_offset=off)
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, splits=2, block_t=16, block_r=16, block_rv=64, **kw)
+    assert _rel(out, ref) < 5e-3
+
+
+def test_rank_that_does_not_tile_is_rejected():
+    q, hk, hv, bk, pos, invf = _case(1, 1, 1, 1, 20, rk=32, rv=40)
+    with pytest.raises(ValueError, match="value rank 40 must give a multiple of 16 stored columns"):
+        palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf)

@@ -1,0 +1,28 @@
+# GPU benchmarks. `latency` runs only where a CUDA GPU is visible (it fails clearly elsewhere);
+# its JSON results are committed, so `latency_table` rebuilds the table on any machine.
+LATENCY_JSON = sorted(str(p) for p in Path(R, "latency").glob("h200-*.json") if "tune" not in p.name)
+
+
+rule latency:
+    output:
+        f"{R}/latency/{{device}}-{{shape}}.json",
+    log:
+        f"{W}/logs/latency/{{device}}-{{shape}}.log",
+    shell:
+        "{PY} -m palu.cli.latency out={output} shape={wildcards.shape} > {log} 2>&1"
+
+
+rule latency_table:
+    input:
+        LATENCY_JSON,
+    output:
+        csv=f"{R}/tables/latency.csv",
+        md=f"{R}/tables/latency.md",
+        fig=f"{R}/figures/latency_speedup.png",
+    log:
+        f"{W}/logs/collect/latency.log",
+    params:
+        inputs=lambda w, input: ",".join(input),
+    shell:
+        "{PY} -m palu.cli.collect table=latency 'inputs=[{params.inputs}]' out={R}/tables/latency "
+        "tracking=disabled > {log} 2>&1"
