@@ -24,6 +24,7 @@ class PaluAttention(nn.Module):
         super().__init__()
         q, k, v, o = adapter.projections(attn)
         self.layer_idx, self.geom, self.group_size, self.fuse = attn.layer_idx, geom, group_size, fuse
+        self.backend = "auto"   # auto | triton | torch (see attention/kernel_backend.py)
         self.n_groups = geom.check_group_size(group_size)
         self.scaling = attn.scaling
         self.query_scaled = adapter.query_scaled_in_proj
@@ -100,6 +101,12 @@ class PaluAttention(nn.Module):
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
                 kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
+        if self.fuse and self.backend != "torch" and past_key_values is not None:
+            from .kernel_backend import can_use_kernel, kernel_decode
+            if can_use_kernel(self, x, mask, hk_all) is None:
+                out = kernel_decode(self, x, q, hk_all, hv_all, kpos)
+                if out is not None:
+                    return out, None
         outs, heads = [], []
         k_off = v_off = 0
         for g in range(self.n_groups):

@@ -1,0 +1,58 @@
+"""Decode fast path: PaluAttention over the latent cache through the Triton kernels.
+
+`backend="auto"` uses it for one-token decode steps of fp16/bf16 models on CUDA when the kernel
+can serve the layer (uniform ranks across groups, no padding mask, no RoPE attention scaling,
+head_dim a multiple of 32); everything else takes the torch reference path. `backend="triton"`
+forces it whenever it can run at all (any dtype; on CPU through TRITON_INTERPRET=1: tests).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def can_use_kernel(attn, x, mask, hk_all) -> str | None:
+    """None if the kernel can run this step, else the reason it cannot."""
+    if x.shape[1] != 1:
+        return "prefill (more than one query token)"
+    if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:
+        return "ranks differ between groups"
+    if attn.backend == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16)):
+        return "auto backend: kernels only for fp16/bf16 on CUDA"
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    if mask is not None and not (mask.dtype == torch.bool and bool(mask.all())):
+        return "padding mask"
+    if attn.geom.rope:
+        rotary = attn._rotary[0]
+        if getattr(rotary, "attention_scaling", 1.0) != 1.0 or attn.geom.head_dim % 32:
+            return "rope scaling with attention_scaling or head_dim not a multiple of 32"
+    return None
+
+
+def kernel_decode(attn, x, q, hk_all, hv_all, kpos):
+    """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden)."""
+    from kernels.layout import as_groups
+    from kernels.palu_decode import palu_decode
+    B = x.shape[0]
+    G, s = attn.n_groups, attn.group_size
+    hk = as_groups(hk_all.unsqueeze(1), G).half()
+    hv = as_groups(hv_all.unsqueeze(1), G).half()
+    kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=s)
+    if attn.geom.rope:
+        bk = torch.stack([getattr(attn, f"B_k{g}") for g in range(G)]).half()
+        if attn.k_bias is not None:
+            return None  # a key bias is not folded into the kernel's rebuild
+        z = palu_decode(q[:, :, 0].half(), hk, hv, bk=bk, positions=kpos.expand(B, -1),
+                        inv_freq=attn._rotary[0].inv_freq, **kw)
+    else:
+        qf = torch.cat([attn._fused_query(x, g) for g in range(G)], 1)     # (B, H, 1, r)
+        z = palu_decode(qf[:, :, 0].half(), hk, hv, **kw)
+    z = z.to(x.dtype)                                                      # (B, H, r_v)
+    per_group = s * attn.geom.n_rep
+    out = attn.o_bias_fused.expand(B, -1).clone()
+    for g in range(G):
+        zg = z[:, g * per_group:(g + 1) * per_group].reshape(B, -1)
+        out = out + zg @ getattr(attn, f"Wo_fused{g}").T
+    return out[:, None]
