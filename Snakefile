@@ -18,4 +18,4 @@ rule all:
         expand(f"{R}/tables/{{table}}.{{ext}}", table=TABLES, ext=["csv", "md"]),
         f"{R}/figures/rank_allocation.png",
         f"{R}/tables/cache_memory.md",
-        f"{R}/tables/latency.md",
+        LATENCY_TARGETS,
