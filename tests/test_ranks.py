@@ -14,7 +14,7 @@ def _fisher(seed=0):
     return f
 
 
-@pytest.mark.parametrize("method", ["uniform", "fisher", "fisher_uniform"])
+@pytest.mark.parametrize("method", ["uniform", "fisher", "fisher_uniform", "fisher_sqrt"])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("kept", [0.3, 0.5, 0.7, 1.0])
 def test_budget_is_met_exactly(method, group, kept):

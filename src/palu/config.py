@@ -52,7 +52,7 @@ class FisherConfig:
 class PaluConfig:
     kept_ratio: float = 0.5             # latent size / original K+V size ("Palu-50%" = 0.5)
     group_size: int = 1                 # KV heads per factorisation: 1 = M-LRD, all = J-LRD
-    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform
+    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt
     decomposition: str = "whitened"     # whitened | plain
     rank_multiple: int = 8
     fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)
@@ -99,7 +99,7 @@ class Config:
 
 _CHOICES = {
     "method": ("fp16", "palu"),
-    "palu.rank_method": ("uniform", "fisher", "fisher_uniform"),
+    "palu.rank_method": ("uniform", "fisher", "fisher_uniform", "fisher_sqrt"),
     "palu.decomposition": ("whitened", "plain"),
     "tracking.mode": ("offline", "online", "disabled"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),

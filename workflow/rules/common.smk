@@ -14,7 +14,7 @@ TABLES = ["baseline", "granularity", "rank_search"]
 wildcard_constraints:
     kept=r"[0-9.]+",
     group=r"\d+",
-    method="uniform|fisher|fisher_uniform",
+    method="uniform|fisher|fisher_uniform|fisher_sqrt",
     decomp="whitened|plain",
     corpus=r"[a-z0-9_]+",
     seqlen=r"\d+",

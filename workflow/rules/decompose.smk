@@ -17,7 +17,7 @@ rule ranks_fisher:
     output:
         f"{W}/ranks/{M}/{CTAG}/{FTAG}/{{method}}-k{{kept}}-g{{group}}-m{MULT}.json",
     wildcard_constraints:
-        method="fisher|fisher_uniform",
+        method="fisher|fisher_uniform|fisher_sqrt",
     log:
         f"{W}/logs/ranks/{{method}}-k{{kept}}-g{{group}}.log",
     shell:

@@ -14,7 +14,7 @@ from .common import CONF_DIR, log
 TITLES = {
     "baseline": "Baseline perplexity (unmodified model)",
     "granularity": "Palu granularity: M-LRD / G-LRD / J-LRD x kept ratio (uniform ranks)",
-    "rank_search": "Palu rank allocation: uniform vs fisher vs fisher_uniform",
+    "rank_search": "Palu rank allocation: uniform vs fisher vs fisher_uniform (vs our tempered fisher_sqrt)",
 }
 FIGURES = {"rank_allocation": rank_allocation_from_file}
 

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import hydra
-from transformers import AutoConfig
 
 from ..config import validate
 from ..data.corpora import load_corpus
 from ..eval.runner import check_seqlen, evaluate_corpus
 from ..io import write_json
-from ..models.loading import load_model, resolve_source
+from ..models.loading import load_config, load_model, resolve_source
 from ..pipeline import naming
 from ..tracking.wandb_run import log_metrics, tracked_run
 from .common import CONF_DIR, log, model_path, record
@@ -40,11 +39,8 @@ def check_matches_config(manifest: dict, cfg) -> None:
 
 def _preflight(cfg, path: str) -> None:
     """Everything that can be checked without the weights, so bad input fails in seconds."""
-    src = resolve_source(path)
-    config = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file,
-                                        local_files_only=True) if src.kind != "hub" else None
-    if config is not None:
-        check_seqlen(config, cfg.data.seqlen)
+    if resolve_source(path).kind != "hub":  # a hub id without local files fails at load time
+        check_seqlen(load_config(path), cfg.data.seqlen)
     load_corpus(cfg.data.corpus, path=cfg.data.path)
 
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import hydra
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from ..config import validate
 from ..decompose.ranks import allocate
 from ..io import write_json
 from ..models.adapters import geometry_of
-from ..models.loading import resolve_source
+from ..models.loading import load_config
 from ..pipeline import naming
 from .calibrate import calibration_tag
 from .common import CONF_DIR, log, model_path
@@ -24,9 +23,7 @@ def ranks_file(cfg) -> str:
 
 
 def model_geometry(cfg):
-    src = resolve_source(model_path(cfg))
-    return geometry_of(AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file,
-                                                  local_files_only=True))
+    return geometry_of(load_config(model_path(cfg)))
 
 
 def run(cfg) -> dict:

@@ -1,5 +1,9 @@
 """Rank allocation under a kept-ratio budget: uniform, fisher (per group), fisher_uniform (per matrix).
 
+`fisher_sqrt` is our tempered variant (ranks proportional to the square root of the Fisher
+importance): plain proportional allocation starves the keys on small models (see the rank_search
+table), the square root keeps the ordering but flattens the extremes.
+
 A *slot* is one factorised block: (layer, "k" | "v", group). Ranks are whole multiples of
 `multiple`, each at least one multiple and at most the block's full rank, and their sum equals the
 budget `floor(kept_ratio * original / multiple) * multiple` exactly.
@@ -13,7 +17,7 @@ import torch
 
 from ..models.adapters import Geometry
 
-RANK_METHODS = ("uniform", "fisher", "fisher_uniform")
+RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt")
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,9 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
                          "raise the kept ratio or lower rank_multiple")
     if method == "uniform":
         units = water_fill([1.0] * len(all_slots), [cap] * len(all_slots), budget_units)
-    elif method == "fisher":
-        units = water_fill([_slot_importance(fisher, s, group_size) for s in all_slots],
+    elif method in ("fisher", "fisher_sqrt"):
+        power = 1.0 if method == "fisher" else 0.5
+        units = water_fill([_slot_importance(fisher, s, group_size) ** power for s in all_slots],
                            [cap] * len(all_slots), budget_units)
     else:
         units = _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units)

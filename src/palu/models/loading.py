@@ -76,6 +76,17 @@ def _hub_cache_hint() -> str:
     return os.path.join(home, "hub")
 
 
+def load_config(model_id: str):
+    """The model's config alone (no weights): cheap checks before any heavy work."""
+    from transformers import AutoConfig
+    src = resolve_source(model_id)
+    try:
+        return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(f"model {model_id!r}: no local config ({_hub_cache_hint()} "
+                                 f"looked at for hub ids; downloads are disabled): {err}") from err
+
+
 def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
     """Return `(model, tokenizer)` for any supported id. Never touches the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -52,15 +52,12 @@ class Grid:
 
     # ---- parameters --------------------------------------------------------------------------
     def kv_heads(self) -> int:
-        from transformers import AutoConfig
         from ..models.adapters import geometry_of
-        from ..models.loading import resolve_source
+        from ..models.loading import load_config
         prepared = naming.prepared_model_dir(self.work, self.model)
         model_id = str(prepared) if (prepared / "config.json").is_file() else \
             OmegaConf.load(CONF / "model" / f"{self.model}.yaml").id
-        src = resolve_source(model_id)
-        cfg = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, local_files_only=True)
-        return geometry_of(cfg).num_kv_heads
+        return geometry_of(load_config(model_id)).num_kv_heads
 
     def group_sizes(self, value) -> list[int]:
         if value == "all":
