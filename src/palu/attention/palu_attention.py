@@ -18,6 +18,23 @@ from ..models.adapters import FamilyAdapter, Geometry
 from .rope import apply_rope
 
 
+def _sdpa(q, k, v, mask, scale: float, causal: bool):
+    """SDPA where the value width may differ from the query/key width (latent values).
+
+    torch's fused CPU/GPU kernels need one head width for q, k and v; otherwise it falls back to
+    the materialising math path (8x slower here). Zero-padding the narrower side changes nothing:
+    zero query/key columns add nothing to the scores, zero value columns are sliced off.
+    """
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    elif dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[..., :dv]
+
+
 class PaluAttention(nn.Module):
     def __init__(self, attn: nn.Module, adapter: FamilyAdapter, geom: Geometry, factors,
                  group_size: int, rotary: nn.Module | None = None, fuse: bool = True):
@@ -125,8 +142,7 @@ class PaluAttention(nn.Module):
                 vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], S, hv_g.shape[-1])
             else:
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
-            z = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=self._sdpa_scale(),
-                                               enable_gqa=qg.shape[1] != kg.shape[1])
+            z = _sdpa(qg, kg, vg, mask, self._sdpa_scale(), causal=mask is None and T > 1)
             if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
                 outs.append(z.transpose(1, 2).reshape(B, T, -1) @ getattr(self, f"Wo_fused{g}").T)
             else:
@@ -175,6 +191,8 @@ class PaluAttention(nn.Module):
     def _mask(attention_mask, T, S, device):
         if attention_mask is not None:
             return attention_mask[..., :S]
-        # No mask given: plain causal, with the cached tokens all visible.
+        if S == T:
+            return None  # plain causal without a cache: SDPA's is_causal (its fast kernels)
+        # No mask given but a cache: causal, with the cached tokens all visible.
         t = torch.arange(T, device=device)[:, None] + (S - T)
         return torch.arange(S, device=device)[None, :] <= t
