@@ -12,7 +12,6 @@ The caller maps z to the hidden size (fused o_proj, or B_v then o_proj).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
@@ -37,7 +36,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             T, tokens_per_split, qk_scale,
             s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_pb, s_ob, s_oh,
             UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
-            R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr, QDIM: tl.constexpr,
+            R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
             ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
             CONTIG: tl.constexpr):
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
@@ -281,7 +280,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
         ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
         UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
-        HALF=(q.shape[-1] // 2 if rope else 16), QDIM=q.shape[-1], ROPE=rope, BITS=kbits,
+        HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
         BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, num_stages=stages[0], num_warps=warps[0])
     rvp = rv // (1 if vbits == 16 else 8 // vbits)
     brv = _pow2_block(rvp, block_rv)

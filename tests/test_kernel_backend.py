@@ -1,6 +1,5 @@
 """PaluAttention's decode fast path (Triton, here through the CPU interpreter) = the torch path."""
 import copy
-import os
 
 import pytest
 import torch
