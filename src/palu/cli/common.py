@@ -16,8 +16,7 @@ log = logging.getLogger("palu")
 
 def model_path(cfg) -> str:
     """The prepared (fast-loading) copy of the model if the pipeline made one, else `model.id`."""
-    prepared = naming.prepared_model_dir(cfg.paths.work, cfg.model.name)
-    return str(prepared) if (prepared / "config.json").is_file() else cfg.model.id
+    return naming.model_source(cfg.paths.work, cfg.model.name, cfg.model.id)
 
 
 def environment() -> dict:

@@ -54,9 +54,8 @@ class Grid:
     def kv_heads(self) -> int:
         from ..models.adapters import geometry_of
         from ..models.loading import load_config
-        prepared = naming.prepared_model_dir(self.work, self.model)
-        model_id = str(prepared) if (prepared / "config.json").is_file() else \
-            OmegaConf.load(CONF / "model" / f"{self.model}.yaml").id
+        model_id = naming.model_source(self.work, self.model,
+                                       OmegaConf.load(CONF / "model" / f"{self.model}.yaml").id)
         return geometry_of(load_config(model_id)).num_kv_heads
 
     def group_sizes(self, value) -> list[int]:

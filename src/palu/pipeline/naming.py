@@ -19,6 +19,12 @@ def prepared_model_dir(work: str, model: str) -> Path:
     return Path(work) / "models" / model
 
 
+def model_source(work: str, model: str, model_id: str) -> str:
+    """The prepared (fast-loading) copy of a model if the pipeline made one, else its id."""
+    prepared = prepared_model_dir(work, model)
+    return str(prepared) if (prepared / "config.json").is_file() else model_id
+
+
 def calibration_tag(corpus: str, samples: int, seqlen: int, seed: int) -> str:
     return f"{corpus}-n{samples}-L{seqlen}-s{seed}"
 
