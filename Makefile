@@ -5,6 +5,9 @@ BIN    := $(VENV)/bin
 # The stamp names the pins it was built from, so editing them reinstalls and nothing else does.
 STAMP  := $(VENV)/.palu-installed
 CORES  ?= 2
+# Extra Snakemake flags, e.g. `make run SNAKEFLAGS="--forcerun prepare_model"` recomputes
+# everything (the committed results/ otherwise count as up to date on a fresh clone).
+SNAKEFLAGS ?=
 
 .PHONY: run test install clean-work
 
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/embedded.txt
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/snakemake --cores $(CORES) --profile workflow/profiles/local
+	$(BIN)/snakemake --cores $(CORES) --profile workflow/profiles/local $(SNAKEFLAGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
