@@ -23,12 +23,18 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dequant(raw, scale, zero, k, BITS: tl.constexpr):
-    # raw [BT, C] uint8 (or fp16 when BITS == 16); scale / zero [BT]
+def _unpack(raw, k, BITS: tl.constexpr):
+    """Part k of packed latents as exact small integers in fp16 (fp16/bf16 latents pass through).
+
+    Scales and zero points are folded in by the callers (per token: k = s (B n) - s z (B 1),
+    q.h = s (q.n) - s z (sum q), sum_t p h = sum_t (p s) n - sum_t p s z), so unpacking is the
+    only per-element work. 0x6400 is 1024.0 in fp16: OR-ing a 0..255 integer into the mantissa
+    gives 1024 + n exactly, avoiding int->float conversions (a quarter of the ALU rate).
+    """
     if BITS == 16:
-        return raw.to(tl.float32)
-    q = ((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-    return (q - zero[:, None]) * scale[:, None]
+        return raw.to(tl.float16)
+    n = (((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)) | 0x6400).to(tl.int16)
+    return (n.to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
 
 
 @triton.jit
@@ -69,6 +75,18 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         if ONE_CHUNK:
             b1_all = tl.load(b_rows + offs_r[None, :]).to(tl.float16)
             b2_all = tl.load(b_rows + HALF * R + offs_r[None, :]).to(tl.float16)
+    # Zero-point term of folded quantisation: B_k 1 (RoPE) or sum(q) (non-RoPE), per row.
+    zsum1 = tl.zeros([HALF], tl.float32)
+    zsum2 = tl.zeros([HALF], tl.float32)
+    qsum = tl.zeros([M], tl.float32)
+    if BITS != 16:
+        for r0 in tl.static_range(0, R, BLOCK_R):
+            if ROPE:
+                zsum1 += tl.sum(tl.load(b_rows + r0 + offs_r[None, :]).to(tl.float16).to(tl.float32), 1)
+                zsum2 += tl.sum(tl.load(b_rows + HALF * R + r0 + offs_r[None, :]).to(tl.float16).to(tl.float32), 1)
+            else:
+                qsum += tl.sum(tl.load(q_rows + r0 + offs_r[None, :], mask=row_ok[:, None],
+                                       other=0.0).to(tl.float16).to(tl.float32), 1)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end
@@ -76,9 +94,6 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         if BITS != 16:
             sc = tl.load(HKS + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
             zp = tl.load(HKZ + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
-        else:
-            sc = tl.zeros([BLOCK_T], tl.float32)
-            zp = sc
         if ROPE:
             k1 = tl.zeros([BLOCK_T, HALF], tl.float32)
             k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
@@ -88,7 +103,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             cols = c0 + offs_r
             raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
             for k in tl.static_range(PER_BYTE):
-                h = _dequant(raw, sc, zp, k, BITS).to(tl.float16)          # (BT, BR)
+                h = _unpack(raw, k, BITS)                                    # (BT, BR)
                 rcols = k * RP + cols                                          # rank indices
                 if ROPE:
                     if ONE_CHUNK:
@@ -101,6 +116,12 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
                 else:
                     qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
                     s += tl.dot(qf, tl.trans(h))
+        if BITS != 16:   # fold the per-token scale and zero point back in
+            if ROPE:
+                k1 = k1 * sc[:, None] - (sc * zp)[:, None] * zsum1[None, :]
+                k2 = k2 * sc[:, None] - (sc * zp)[:, None] * zsum2[None, :]
+            else:
+                s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         if ROPE:
             if CONTIG:
                 a = (p0 + t) * inv_freq
@@ -139,6 +160,7 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
     m_i = tl.full([M], -float("inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, BLOCK_RV], tl.float32)
+    corr = tl.zeros([M], tl.float32)            # sum_t p_t s_t z_t (folded zero points)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end
@@ -154,18 +176,109 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
         if BITS != 16:
             sc = tl.load(HVS + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
             zp = tl.load(HVZ + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
-            v = ((((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32) - zp[:, None])
-                 * sc[:, None])
-        else:
-            v = raw
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+            p = p * sc[None, :]
+            corr = corr * alpha + tl.sum(p * zp[None, :], 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), _unpack(raw, k, BITS))
         m_i = m_new
+    acc = acc - corr[:, None]
     base = ((b * G + g) * n_splits + pid_s) * M
     out_cols = k * RVP + cols
     tl.store(ACC + (base + rows)[:, None] * RV + out_cols[None, :], acc, mask=row_ok[:, None])
     if pid_c == 0:
         tl.store(MS + base + rows, m_i, mask=row_ok)
         tl.store(LS + base + rows, l_i, mask=row_ok)
+
+
+@triton.jit
+def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_split, n_splits, qk_scale,
+                  s_qb, s_qh, s_kb, s_kg, s_kt, s_ksb, s_ksg, s_kst,
+                  s_vb, s_vg, s_vt, s_vsb, s_vsg, s_vst,
+                  ROWS: tl.constexpr, M: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
+                  BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr):
+    """Non-RoPE models, one pass: scores, online softmax and value accumulation per tile, so the
+    scores never leave the chip. One program per (sequence, group, split); whole ranks in
+    registers (the host takes this path only for small ranks)."""
+    pid_g, pid_s = tl.program_id(0), tl.program_id(1)
+    b, g = pid_g // G, pid_g % G
+    PK: tl.constexpr = 1 if BITS_K == 16 else 8 // BITS_K
+    PV: tl.constexpr = 1 if BITS_V == 16 else 8 // BITS_V
+    RKP: tl.constexpr = RK // PK
+    RVP: tl.constexpr = RV // PV
+    rows = tl.arange(0, M)
+    row_ok = rows < ROWS
+    ck, cv = tl.arange(0, RKP), tl.arange(0, RVP)
+    length = tl.load(LENS + b)
+    t0 = pid_s * tokens_per_split
+    t_end = tl.minimum(t0 + tokens_per_split, length)
+    # The fused query, one slice per packed part (part k holds ranks k*RKP ...).
+    q_rows = Q + b * s_qb + (g * ROWS + rows)[:, None] * s_qh
+    q0 = tl.load(q_rows + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if PK > 1:
+        q1 = tl.load(q_rows + RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+    if PK > 2:
+        q2 = tl.load(q_rows + 2 * RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+        q3 = tl.load(q_rows + 3 * RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+    qsum = tl.sum(q0.to(tl.float32), 1)
+    if PK > 1:
+        qsum += tl.sum(q1.to(tl.float32), 1)
+    if PK > 2:
+        qsum += tl.sum(q2.to(tl.float32) + q3.to(tl.float32), 1)
+    m_i = tl.full([M], -float("inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    corr = tl.zeros([M], tl.float32)
+    acc0 = tl.zeros([M, RVP], tl.float32)
+    acc1 = tl.zeros([M, RVP], tl.float32)
+    acc2 = tl.zeros([M, RVP], tl.float32)
+    acc3 = tl.zeros([M, RVP], tl.float32)
+    for t in range(t0, t_end, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        rk = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + ck[None, :],
+                     mask=t_ok[:, None], other=0)
+        s = tl.dot(q0, tl.trans(_unpack(rk, 0, BITS_K)))
+        if PK > 1:
+            s += tl.dot(q1, tl.trans(_unpack(rk, 1, BITS_K)))
+        if PK > 2:
+            s += tl.dot(q2, tl.trans(_unpack(rk, 2, BITS_K)))
+            s += tl.dot(q3, tl.trans(_unpack(rk, 3, BITS_K)))
+        if BITS_K != 16:
+            sc = tl.load(HKS + b * s_ksb + g * s_ksg + offs_t * s_kst, mask=t_ok, other=0.0).to(tl.float32)
+            zp = tl.load(HKZ + b * s_ksb + g * s_ksg + offs_t * s_kst, mask=t_ok, other=0.0).to(tl.float32)
+            s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
+        s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        rv = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cv[None, :],
+                     mask=t_ok[:, None], other=0)
+        if BITS_V != 16:
+            sc = tl.load(HVS + b * s_vsb + g * s_vsg + offs_t * s_vst, mask=t_ok, other=0.0).to(tl.float32)
+            zp = tl.load(HVZ + b * s_vsb + g * s_vsg + offs_t * s_vst, mask=t_ok, other=0.0).to(tl.float32)
+            p = p * sc[None, :]
+            corr = corr * alpha + tl.sum(p * zp[None, :], 1)
+        p16 = p.to(tl.float16)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p16, _unpack(rv, 0, BITS_V))
+        if PV > 1:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p16, _unpack(rv, 1, BITS_V))
+        if PV > 2:
+            acc2 = acc2 * alpha[:, None] + tl.dot(p16, _unpack(rv, 2, BITS_V))
+            acc3 = acc3 * alpha[:, None] + tl.dot(p16, _unpack(rv, 3, BITS_V))
+        m_i = m_new
+    base = ((b * G + g) * n_splits + pid_s) * M
+    out = ACC + (base + rows)[:, None] * RV + cv[None, :]
+    tl.store(out, acc0 - corr[:, None], mask=row_ok[:, None])
+    if PV > 1:
+        tl.store(out + RVP, acc1 - corr[:, None], mask=row_ok[:, None])
+    if PV > 2:
+        tl.store(out + 2 * RVP, acc2 - corr[:, None], mask=row_ok[:, None])
+        tl.store(out + 3 * RVP, acc3 - corr[:, None], mask=row_ok[:, None])
+    tl.store(MS + base + rows, m_i, mask=row_ok)
+    tl.store(LS + base + rows, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -216,17 +329,60 @@ def _pow2_block(columns: int, cap: int) -> int:
     return b
 
 
+def _fused_unfit(rope, rk, rv, kbits, vbits, M) -> str | None:
+    """Why the one-pass kernel cannot serve a layer (None if it can)."""
+    if rope:
+        return "RoPE keys are rebuilt by the two-pass kernels"
+    for r, bits, name in ((rk, kbits, "key"), (rv, vbits, "value")):
+        cols = r // (1 if bits == 16 else 8 // bits)
+        if cols & (cols - 1):
+            return f"{name} rank {r} gives {cols} stored columns, not a power of two"
+    if rk > 512 or M * rv > 16 * 512:   # whole ranks live in registers
+        return f"ranks (k {rk}, v {rv}) x {M} rows too large for registers"
+    return None
+
+
+def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,
+               B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits):
+    dev = kdata.device
+    if splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
+    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+    splits = triton.cdiv(T, per_split)
+    acc = torch.empty(B, G, splits, M, rv, device=dev, dtype=torch.float32)
+    ms = torch.empty(B, G, splits, M, device=dev, dtype=torch.float32)
+    ls = torch.empty_like(ms)
+    ks = kscale if kbits != 16 else kdata
+    vs = vscale if vbits != 16 else vdata
+    _fused_norope[(B * G, splits)](
+        q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
+        scale * LOG2E, q.stride(0), q.stride(1),
+        kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        ROWS=rows, M=M, RK=rk, RV=rv, BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
+        num_stages=stages, num_warps=warps)
+    z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
+    _combine[(B * H,)](acc, ms, ls, z, splits, z.stride(0), z.stride(1),
+                       ROWS=rows, M=M, RV=rv, RV_P2=triton.next_power_of_2(rv), G=G)
+    return z
+
+
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
                 positions=None, position_offset=None, inv_freq=None, lengths=None,
                 splits: int | None = None,
                 block_t: int = 64, block_r: int = 64, block_rv: int = 64,
-                stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4)) -> torch.Tensor:
+                stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
+                fused: bool | None = None, fused_block_t: int = 64, fused_stages: int = 2,
+                fused_warps: int = 4) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
     [G, group_size*D, Rk] is given (q [B, H, D] already rotated, positions [B, T],
     inv_freq [D/2]); otherwise q is the fused query [B, H, Rk]. Positions are either arbitrary
     (`positions` [B, T]) or contiguous from `position_offset` [B] (the usual cache; faster RoPE).
+    Non-RoPE layers with small ranks take the one-pass `_fused_norope` kernel (`fused=None`:
+    whenever it can; False: always the three-launch path; True: required, else an error).
     """
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
     vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
@@ -253,6 +409,14 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     dev = kdata.device
     lengths = (torch.full((B,), T, dtype=torch.int32, device=dev) if lengths is None
                else lengths.to(torch.int32).contiguous())
+    mv = max(16, triton.next_power_of_2(group_size * n_rep))
+    why_not = _fused_unfit(rope, rk, rv, kbits, vbits, mv)
+    if fused and why_not:
+        raise ValueError(f"the one-pass kernel cannot serve this layer: {why_not}")
+    if fused is not False and not why_not:
+        return _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths,
+                          scale, B, G, T, H, rk, rv, group_size * n_rep, mv,
+                          fused_block_t, fused_stages, fused_warps, splits)
     contig = positions is None
     if contig:
         pos0 = (torch.zeros(B, dtype=torch.int32, device=dev) if position_offset is None
@@ -270,7 +434,6 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
     splits = triton.cdiv(T, per_split)
     M = max(16, triton.next_power_of_2(rows))
-    mv = max(16, triton.next_power_of_2(group_size * n_rep))
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata
     br = _pow2_block(rk // (1 if kbits == 16 else 8 // kbits), block_r)

@@ -43,7 +43,7 @@ def test_fp16_latents_match_reference(rope, block_r, B, G, s, n_rep, T):
     assert _rel(out, ref) < 5e-3  # fp16 operands, fp32 accumulation
 
 
-@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("rope", [True, False])
 def test_quantised_latents_match_dequantised_reference(bits, rope):
     q, hk, hv, bk, pos, invf = _case(1, 2, 1, 2, 45, rk=64, rv=64, rope=rope, seed=bits)
@@ -102,3 +102,29 @@ def test_rank_that_does_not_tile_is_rejected():
     q, hk, hv, bk, pos, invf = _case(1, 1, 1, 1, 20, rk=32, rv=40)
     with pytest.raises(ValueError, match="value rank 40 must give a multiple of 16 stored columns"):
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf)
+
+
+@pytest.mark.parametrize("bits", [16, 4, 2])
+@pytest.mark.parametrize("B, G, s, n_rep, T", [(1, 2, 1, 2, 45), (2, 1, 2, 1, 130)])
+def test_one_pass_norope_kernel_matches_two_pass_and_reference(bits, B, G, s, n_rep, T):
+    q, hk, hv, _, _, _ = _case(B, G, s, n_rep, T, rk=64, rv=128, rope=False, seed=bits + T)
+    if bits != 16:
+        hk, hv = quantize_latent(hk, bits), quantize_latent(hv, 4)   # K and V widths may differ
+    kw = dict(scale=0.2, n_rep=n_rep, group_size=s, lengths=torch.tensor([T, T - 17][:B], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    one = palu_decode(q, hk, hv, fused=True, fused_block_t=16, splits=3, **kw)
+    two = palu_decode(q, hk, hv, fused=False, block_t=16, block_r=16, block_rv=16, splits=3, **kw)
+    assert _rel(one, ref) < 5e-3 and _rel(two, ref) < 5e-3
+    assert _rel(one, two) < 2e-3
+
+
+def test_one_pass_kernel_refuses_what_it_cannot_serve():
+    q, hk, hv, bk, pos, invf = _case(1, 1, 1, 1, 20, rk=32, rv=32)
+    with pytest.raises(ValueError, match="RoPE keys are rebuilt"):
+        palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf, fused=True)
+    q, hk, hv, _, _, _ = _case(1, 1, 1, 1, 20, rk=48, rv=32, rope=False)
+    with pytest.raises(ValueError, match="48 stored columns, not a power of two"):
+        palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, fused=True)
+    out = palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, block_r=16, block_rv=16)
+    ref = latent_decode_reference(q, hk, hv, scale=1.0, n_rep=1, group_size=1)
+    assert _rel(out, ref) < 5e-3   # auto: falls back to the two-pass kernels
