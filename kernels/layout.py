@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_BITS = (2, 4, 8)
+MIN_SCALE = 2.0 ** -14   # smallest normal fp16: a constant row must not get a zero scale
 
 
 def as_groups(latents: torch.Tensor, groups: int) -> torch.Tensor:
@@ -49,9 +50,11 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     levels = 2 ** bits - 1
     hf = h.float()
     lo, hi = hf.amin(-1), hf.amax(-1)
-    scale = ((hi - lo) / levels).clamp_min(1e-8).half()
-    zero = (-lo / scale.float()).round().clamp(0, levels).half()
-    q = (hf / scale.float()[..., None] + zero.float()[..., None]).round().clamp(0, levels).to(torch.uint8)
+    # Rounding is half-up (floor(x + 0.5)) and the scale at least fp16's smallest normal number,
+    # so that kernels/quantize.py reproduces this bit for bit.
+    scale = ((hi - lo) / levels).clamp_min(MIN_SCALE).half()
+    zero = torch.floor(-lo / scale.float() + 0.5).clamp(0, levels).half()
+    q = torch.floor(hf / scale.float()[..., None] + zero.float()[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
     parts = q.split(R // per_byte, dim=-1)
     packed = torch.zeros_like(parts[0])
     for k, part in enumerate(parts):

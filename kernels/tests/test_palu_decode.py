@@ -128,3 +128,31 @@ def test_one_pass_kernel_refuses_what_it_cannot_serve():
     out = palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, block_r=16, block_rv=16)
     ref = latent_decode_reference(q, hk, hv, scale=1.0, n_rep=1, group_size=1)
     assert _rel(out, ref) < 5e-3   # auto: falls back to the two-pass kernels
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_many_splits_are_combined_in_blocks(rope):
+    # 35 splits > the combine kernel's block of 32: exercises its loop over split blocks.
+    q, hk, hv, bk, pos, invf = _case(1, 1, 1, 2, 1100, rk=32, rv=32, rope=rope, seed=5)
+    kw = dict(scale=0.2, n_rep=2, group_size=1, bk=bk, positions=pos if rope else None, inv_freq=invf)
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, splits=60, block_t=16, block_r=16, block_rv=16, fused_block_t=16, **kw)
+    assert _rel(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
+    from kernels.layout import QuantLatent
+    from kernels.quantize import quantize_into
+    h = (torch.randn(2, 3, 5, 96) * torch.rand(2, 3, 5, 1) * 4).half().to(DEV)
+    h[0, 0, 0] = 0.7                           # a constant row: scale clamps, no division by zero
+    ref = quantize_latent(h, bits)
+    per = 8 // bits
+    dst = QuantLatent(torch.zeros(2, 3, 9, 96 // per, dtype=torch.uint8, device=DEV),
+                      torch.zeros(2, 3, 9, dtype=torch.float16, device=DEV),
+                      torch.zeros(2, 3, 9, dtype=torch.float16, device=DEV), bits, 96)
+    quantize_into(h, dst, start=3)
+    assert torch.equal(dst.data[:, :, 3:8], ref.data)
+    assert torch.equal(dst.scale[:, :, 3:8], ref.scale) and torch.equal(dst.zero[:, :, 3:8], ref.zero)
+    assert dst.data[:, :, :3].eq(0).all() and dst.data[:, :, 8:].eq(0).all()   # nothing else written
+    assert torch.isfinite(dequantize_latent(ref)).all()

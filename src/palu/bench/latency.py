@@ -70,8 +70,11 @@ def palu_case(shape, B, T, s, kept_k, kept_v, bits, rope, device="cuda", seed=0)
     kw = dict(scale=1 / math.sqrt(D), n_rep=n_rep, group_size=s, bk=bk,
               position_offset=torch.zeros(B, device=device, dtype=torch.int32),
               inv_freq=_rope_inv_freq(D, shape["rope_theta"], device))
+    from kernels.palu_decode import _fused_unfit
+    one_pass = _fused_unfit(rope, rk, rv, bits, bits, max(16, s * n_rep)) is None
     nbytes = (_latent_bytes(B, G, T, rk, bits) + _latent_bytes(B, G, T, rv, bits)
-              + 2 * B * H * T * 4 + (bk.numel() * 2 if rope else 0))
+              + (0 if one_pass else 2 * B * H * T * 4)        # scores written and read back
+              + (bk.numel() * 2 if rope else 0))
     flops = 2 * B * T * H * rv + (2 * B * T * (KVH * D * rk + H * D) if rope else 2 * B * T * H * rk)
     return q, hk, hv, kw, {"rank_k": rk, "rank_v": rv, "groups": G, "bytes": nbytes, "flops": flops}
 
@@ -108,7 +111,7 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
         kw["bk"] = None
     k = cfg["kernel"]
     params = dict(block_t=k["block_t"], stages=tuple(k["stages"]), warps=tuple(k["warps"]),
-                  block_r=k["block_r"])
+                  block_r=k["block_r"], fused_block_t=k.get("fused_block_t", 64))
     fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
     if T == cfg["check_length"] and B == 1:
         ref = latent_decode_reference(qi, hk, hv, **kw)

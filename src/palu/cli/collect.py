@@ -30,14 +30,27 @@ def latency_outputs(inputs: list[str], prefix: str) -> None:
     speedup_figure(frame, figure)
 
 
+def decode_outputs(inputs: list[str], prefix: str) -> None:
+    """results/tables/decode.{csv,md} and results/figures/memory_vs_context.png."""
+    from ..io import write_text
+    from ..reporting.decode import decode_frame, decode_markdown, memory_figure
+    frame, meta = decode_frame(inputs)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", decode_markdown(frame, meta))
+    memory_figure(frame, Path(prefix).parent.parent / "figures" / "memory_vs_context.png")
+
+
+GPU_TABLES = {"latency": latency_outputs, "decode": decode_outputs}
+
+
 def run(cfg) -> None:
-    if cfg.table not in TITLES and cfg.table not in FIGURES and cfg.table != "latency":
-        raise ValueError(f"table={cfg.table!r} is not one of "
-                         f"{sorted(TITLES) + sorted(FIGURES) + ['latency']}")
+    known = sorted(TITLES) + sorted(FIGURES) + sorted(GPU_TABLES)
+    if cfg.table not in known:
+        raise ValueError(f"table={cfg.table!r} is not one of {known}")
     inputs = list(cfg.inputs)
-    if cfg.table == "latency":
-        latency_outputs(inputs, cfg.out)
-        log.info("latency table from %d files -> %s.{csv,md}", len(inputs), cfg.out)
+    if cfg.table in GPU_TABLES:
+        GPU_TABLES[cfg.table](inputs, cfg.out)
+        log.info("%s table from %d files -> %s.{csv,md}", cfg.table, len(inputs), cfg.out)
         return
     if cfg.table in FIGURES:
         if len(inputs) != 1:

@@ -1,0 +1,97 @@
+"""A preallocated latent cache for CUDA-graph decoding (fp16 or packed 2/4/8-bit latents).
+
+`LatentCache` grows by concatenation, as transformers' DynamicCache does: every step copies the
+whole cache, so it cannot serve long-context decoding at speed nor be captured in a CUDA graph.
+This cache allocates `max_tokens` once, in the layout the kernels read
+(`kernels/layout.py`: [batch, groups, tokens, rank], packed along the rank when quantised), and
+each step writes the new token's latents in place (quantised on the fly) at a fixed slot, so a
+decode step is a static graph. Positions are contiguous (token i is at position i).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.layout import SUPPORTED_BITS, QuantLatent, quantize_latent
+from kernels.quantize import quantize_into
+
+
+def _buffer(batch, groups, tokens, rank, bits, device, dtype):
+    if bits == 16:
+        return torch.zeros(batch, groups, tokens, rank, device=device, dtype=dtype)
+    if rank % (8 // bits):
+        raise ValueError(f"rank {rank} is not a multiple of {8 // bits} ({bits}-bit packing)")
+    shape = (batch, groups, tokens)
+    return QuantLatent(torch.zeros(*shape, rank // (8 // bits), device=device, dtype=torch.uint8),
+                       torch.zeros(*shape, device=device, dtype=torch.float16),
+                       torch.zeros(*shape, device=device, dtype=torch.float16), bits, rank)
+
+
+def _slice(buf, start: int, stop: int):
+    if isinstance(buf, QuantLatent):
+        return QuantLatent(buf.data[:, :, start:stop], buf.scale[:, :, start:stop],
+                           buf.zero[:, :, start:stop], buf.bits, buf.rank)
+    return buf[:, :, start:stop]
+
+
+def _nbytes(buf) -> int:
+    return buf.nbytes() if isinstance(buf, QuantLatent) else buf.numel() * buf.element_size()
+
+
+class StaticLatentCache:
+    """Per layer: key latents [B, G, max_tokens, rank_k] and value latents (rank_v), fp16 or packed."""
+
+    def __init__(self, layers: int, batch: int, groups: int, max_tokens: int, rank_k: int,
+                 rank_v: int, bits: int = 16, device="cpu", dtype=torch.float16):
+        if bits != 16 and bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={bits} must be 16 (no quantisation) or one of {SUPPORTED_BITS}")
+        for name, value in (("layers", layers), ("batch", batch), ("groups", groups),
+                            ("max_tokens", max_tokens), ("rank_k", rank_k), ("rank_v", rank_v)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be positive")
+        self.bits, self.max_tokens, self.groups = bits, max_tokens, groups
+        self.keys = [_buffer(batch, groups, max_tokens, rank_k, bits, device, dtype) for _ in range(layers)]
+        self.values = [_buffer(batch, groups, max_tokens, rank_v, bits, device, dtype) for _ in range(layers)]
+
+    def write(self, layer: int, hk: torch.Tensor, hv: torch.Tensor, start: int) -> None:
+        """Store latents hk [B, G, n, rank_k], hv [B, G, n, rank_v] at tokens start .. start+n-1."""
+        n = hk.shape[2]
+        if start < 0 or start + n > self.max_tokens:
+            raise ValueError(f"tokens {start}..{start + n - 1} do not fit a cache of {self.max_tokens}")
+        for buf, h in ((self.keys[layer], hk), (self.values[layer], hv)):
+            dst = _slice(buf, start, start + n)
+            if self.bits == 16:
+                dst.copy_(h)
+            elif h.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+                quantize_into(h, buf, start)      # one launch (torch: ~20 small kernels)
+            else:
+                q = quantize_latent(h, self.bits)
+                dst.data.copy_(q.data)
+                dst.scale.copy_(q.scale)
+                dst.zero.copy_(q.zero)
+
+    def read(self, layer: int, length: int):
+        """The first `length` tokens of a layer as kernel inputs (views, no copy)."""
+        if not 0 < length <= self.max_tokens:
+            raise ValueError(f"length={length} outside 1..{self.max_tokens}")
+        return _slice(self.keys[layer], 0, length), _slice(self.values[layer], 0, length)
+
+    def fill_random(self, seed: int = 0) -> None:
+        """Random contents (latency benchmarks: decode time does not depend on the values)."""
+        gen = torch.Generator(device=self._device()).manual_seed(seed)
+        for buf in self.keys + self.values:
+            if isinstance(buf, QuantLatent):
+                buf.data.random_(0, 256, generator=gen)
+                buf.scale.uniform_(0.01, 0.1, generator=gen)
+                buf.zero.random_(0, 2 ** buf.bits, generator=gen)
+            else:
+                buf.normal_(generator=gen)
+
+    def _device(self):
+        buf = self.keys[0]
+        return (buf.data if isinstance(buf, QuantLatent) else buf).device
+
+    def nbytes(self) -> int:
+        """Bytes held (packed data, scales and zero points included)."""
+        return sum(_nbytes(b) for b in self.keys + self.values)

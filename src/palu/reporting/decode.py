@@ -1,0 +1,83 @@
+"""End-to-end decode table and memory/latency-vs-context figure (results/decode/*.json)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..io import atomic_path, read_json  # noqa: E402
+
+COLUMNS = ["device", "variant", "rope", "baseline", "batch", "context", "group_size", "rank_k", "rank_v",
+           "bits", "seconds_per_token", "speedup", "peak_bytes", "weight_bytes", "cache_bytes",
+           "bytes_per_token", "roofline_floor_s", "roofline_fraction", "error"]
+
+
+def decode_frame(paths: list[str]) -> tuple[pd.DataFrame, dict]:
+    rows, meta = [], None
+    for p in paths:
+        run = read_json(p)
+        meta = meta or run
+        rows += [{**r, "device": run["device"]} for r in run["rows"]]
+    if not rows:
+        raise ValueError(f"no decode rows in {paths}")
+    order = list(dict.fromkeys(r["variant"] for r in rows))    # the config's variant order
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    frame["variant"] = pd.Categorical(frame["variant"], categories=order, ordered=True)
+    return frame.sort_values(["variant", "context"]).reset_index(drop=True), meta
+
+
+def _pivot(ok, values, fmt):
+    table = ok.pivot_table(index="variant", columns="context", values=values, aggfunc="first",
+                           observed=True)
+    return table.to_markdown(floatfmt=fmt)
+
+
+def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
+    ok = frame[frame["error"].isna()].copy()
+    ok["ms"] = ok["seconds_per_token"] * 1e3
+    ok["GiB"] = ok["peak_bytes"] / 2 ** 30
+    ok["roofline %"] = ok["roofline_fraction"] * 100
+    cfg, ceil = meta["config"], meta["ceilings"]
+    fails = frame[frame["error"].notna()][["variant", "context", "error"]]
+    return (
+        "# End-to-end decode: time per generated token and peak GPU memory vs context\n\n"
+        f"{meta['device']}, Llama-2-7B shapes ({cfg['shape']['layers']} layers, hidden "
+        f"{cfg['shape']['hidden']}, {cfg['shape']['heads']} heads), batch {cfg['batch']}, fp16, "
+        f"**{meta['weights']}**. Each step (embedding, every layer with its cache write, attention "
+        "and MLP, LM head, argmax fed back) is one CUDA-graph replay; median of "
+        f"{cfg['iters']} replays. Palu-50%: uniform ranks (half of each group's K and V); "
+        "`-norope` rows are the same shapes without rotary embeddings (an OPT-like model), compared "
+        "with the dense model of the same kind. Roofline: (weights + cache bytes) / measured copy "
+        f"bandwidth ({ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s).\n\n"
+        f"## ms per token\n\n{_pivot(ok, 'ms', '.2f')}\n\n"
+        f"## Speed-up over the dense fp16 model\n\n{_pivot(ok, 'speedup', '.2f')}\n\n"
+        f"## Peak GPU memory (GiB, weights included)\n\n{_pivot(ok, 'GiB', '.1f')}\n\n"
+        f"## Fraction of the bytes roofline (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
+        "## Correctness on this GPU (full-rank Palu vs dense, small shape, rel. error of logits)\n\n"
+        + (pd.DataFrame(meta["checks"]).to_markdown(index=False, floatfmt=".2e") if meta["checks"] else "none")
+        + f"\n\n## Points that did not run\n\n{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
+
+
+def memory_figure(frame: pd.DataFrame, out: str | Path) -> None:
+    ok = frame[frame["error"].isna()]
+    fig, (mem, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for variant, grp in ok.groupby("variant", observed=True):
+        style = dict(marker="o", ls="-" if bool(grp["rope"].iloc[0]) else "--", label=str(variant))
+        mem.plot(grp["context"], grp["peak_bytes"] / 2 ** 30, **style)
+        lat.plot(grp["context"], grp["seconds_per_token"] * 1e3, **style)
+    for ax, label in ((mem, "peak GPU memory (GiB, weights included)"), (lat, "ms per generated token")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    mem.set_title("Llama-2-7B shapes, batch 1: memory vs context")
+    lat.set_title("decode latency (CUDA graph; dashed: no RoPE)")
+    lat.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
+    plt.close(fig)
