@@ -44,7 +44,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
             ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
-            CONTIG: tl.constexpr):
+            CONTIG: tl.constexpr, TRIG16: tl.constexpr):
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
     b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
     g = u // UNITS_PER_GROUP
@@ -70,7 +70,14 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             # per-program table of iθ, so the trig cost is per tile column, not per element.
             ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
             ci, si = tl.cos(ang_i), tl.sin(ang_i)
+            if TRIG16:   # half the registers for the per-program tables (|error| < 5e-4)
+                ci, si = ci.to(tl.float16), si.to(tl.float16)
             p0 = tl.load(POS0 + b).to(tl.float32)
+            # cos/sin of the tile's first position, advanced tile to tile by a rotation of
+            # BLOCK_T θ: accurate trig of a large angle (~64K rad) takes the slow range-reduction
+            # path, and evaluating it every tile cost more than the tile's arithmetic.
+            ca, sa = tl.cos((p0 + t0) * inv_freq), tl.sin((p0 + t0) * inv_freq)
+            cb, sb = tl.cos(BLOCK_T * inv_freq), tl.sin(BLOCK_T * inv_freq)
         # Small fp16 ranks fit one chunk: keep this head's B_k halves in registers for all tiles.
         if ONE_CHUNK:
             b1_all = tl.load(b_rows + offs_r[None, :]).to(tl.float16)
@@ -124,9 +131,9 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
                 s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         if ROPE:
             if CONTIG:
-                a = (p0 + t) * inv_freq
-                ca, sa = tl.cos(a)[None, :], tl.sin(a)[None, :]
-                cos, sin = ci * ca - si * sa, si * ca + ci * sa
+                cos = ci * ca[None, :] - si * sa[None, :]
+                sin = si * ca[None, :] + ci * sa[None, :]
+                ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
             else:
                 pos = tl.load(POS + b * s_pb + offs_t, mask=t_ok, other=0).to(tl.float32)
                 ang = pos[:, None] * inv_freq[None, :]
@@ -143,6 +150,91 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         s = s * qk_scale
         out = S + b * s_ob + (u * ROWS + rows)[:, None] * s_oh + offs_t[None, :]
         tl.store(out, s, mask=row_ok[:, None] & t_ok[None, :])
+
+
+@triton.jit
+def _fold_query(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr):
+    """Rows f of a = q1_f B1_f + q2_f B2_f and c = q2_f B1_f - q1_f B2_f (rank columns rcols)."""
+    b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16).to(tl.float32)
+    b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16).to(tl.float32)
+    return ((q1[:, None] * b1 + q2[:, None] * b2).to(tl.float16),
+            (q2[:, None] * b1 - q1[:, None] * b2).to(tl.float16))
+
+
+@triton.jit
+def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk_scale,
+                  s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_ob, s_oh,
+                  UNITS_PER_GROUP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
+                  BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr):
+    """RoPE scores with one query per KV head (MHA), contiguous positions, small ranks.
+
+    q . RoPE_t(B h) = sum_f cos(t th_f) (a_f . h) + sin(t th_f) (c_f . h) with
+    a_f = q1_f B1_f + q2_f B2_f and c_f = q2_f B1_f - q1_f B2_f. The query is folded into B once
+    per program, so a tile is two [BT, r] x [r, D/2] dots and a cos/sin-weighted row sum: keys
+    are never formed and never rotated (the reference path rebuilds and rotates every key).
+    """
+    pid_u, pid_s = tl.program_id(0), tl.program_id(1)
+    b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
+    g, jl = u // UNITS_PER_GROUP, u % UNITS_PER_GROUP
+    PER: tl.constexpr = 1 if BITS == 16 else 8 // BITS
+    RP: tl.constexpr = R // PER
+    cols, offs_h = tl.arange(0, RP), tl.arange(0, HALF)
+    length = tl.load(LENS + b)
+    t0 = pid_s * tokens_per_split
+    t_end = tl.minimum(t0 + tokens_per_split, length)
+    q1 = tl.load(Q + b * s_qb + u * s_qh + offs_h).to(tl.float16).to(tl.float32)
+    q2 = tl.load(Q + b * s_qb + u * s_qh + HALF + offs_h).to(tl.float16).to(tl.float32)
+    b_rows = BK + g * (UNITS_PER_GROUP * 2 * HALF * R) + (jl * 2 * HALF + offs_h)[:, None] * R
+    a0, c0 = _fold_query(b_rows, q1, q2, cols, HALF, R)
+    a1, c1, a2, c2, a3, c3 = a0, c0, a0, c0, a0, c0
+    if PER > 1:
+        a1, c1 = _fold_query(b_rows, q1, q2, RP + cols, HALF, R)
+    if PER > 2:
+        a2, c2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R)
+        a3, c3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R)
+    za = tl.sum(a0.to(tl.float32), 1)      # zero-point terms (quantised latents)
+    zc = tl.sum(c0.to(tl.float32), 1)
+    if PER > 1:
+        za += tl.sum(a1.to(tl.float32), 1)
+        zc += tl.sum(c1.to(tl.float32), 1)
+    if PER > 2:
+        za += tl.sum(a2.to(tl.float32) + a3.to(tl.float32), 1)
+        zc += tl.sum(c2.to(tl.float32) + c3.to(tl.float32), 1)
+    inv_freq = tl.load(INVF + offs_h)
+    ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
+    ci, si = tl.cos(ang_i), tl.sin(ang_i)
+    p0 = tl.load(POS0 + b).to(tl.float32)
+    ca, sa = tl.cos((p0 + t0) * inv_freq), tl.sin((p0 + t0) * inv_freq)   # see _scores
+    cb, sb = tl.cos(BLOCK_T * inv_freq), tl.sin(BLOCK_T * inv_freq)
+    for t in range(t0, t_end, BLOCK_T):
+        offs_t = t + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < t_end
+        raw = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + cols[None, :],
+                      mask=t_ok[:, None], other=0)
+        h = _unpack(raw, 0, BITS)
+        ua = tl.dot(h, tl.trans(a0))
+        uc = tl.dot(h, tl.trans(c0))
+        if PER > 1:
+            h = _unpack(raw, 1, BITS)
+            ua += tl.dot(h, tl.trans(a1))
+            uc += tl.dot(h, tl.trans(c1))
+        if PER > 2:
+            h = _unpack(raw, 2, BITS)
+            ua += tl.dot(h, tl.trans(a2))
+            uc += tl.dot(h, tl.trans(c2))
+            h = _unpack(raw, 3, BITS)
+            ua += tl.dot(h, tl.trans(a3))
+            uc += tl.dot(h, tl.trans(c3))
+        if BITS != 16:
+            sc = tl.load(HKS + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            zp = tl.load(HKZ + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            ua = ua * sc[:, None] - (sc * zp)[:, None] * za[None, :]
+            uc = uc * sc[:, None] - (sc * zp)[:, None] * zc[None, :]
+        cos = ci * ca[None, :] - si * sa[None, :]
+        sin = si * ca[None, :] + ci * sa[None, :]
+        ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
+        sv = tl.sum(cos * ua + sin * uc, 1) * qk_scale
+        tl.store(S + b * s_ob + u * s_oh + offs_t, sv, mask=t_ok)
 
 
 @triton.jit
@@ -398,7 +490,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 block_t: int = 64, block_r: int = 64, block_rv: int = 64,
                 stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int = 64, fused_stages: int = 2,
-                fused_warps: int = 4) -> torch.Tensor:
+                fused_warps: int = 4, trig16: bool = False, qproj: bool | None = None,
+                qproj_block_t: int = 64, qproj_stages: int = 3, qproj_warps: int = 8) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -452,6 +545,13 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         inv_freq = torch.ones(1, device=dev)
     inv_freq = inv_freq.float().contiguous()
     units = G * units_per_group
+    rkp = rk // (1 if kbits == 16 else 8 // kbits)
+    if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
+        qproj = rope and rows == 1 and contig and rk <= 128 and rkp & (rkp - 1) == 0
+    if qproj:
+        if not (rope and rows == 1 and contig):
+            raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
+        block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
@@ -461,14 +561,23 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata
     br = _pow2_block(rk // (1 if kbits == 16 else 8 // kbits), block_r)
-    _scores[(B * units, splits)](
-        q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
-        T, per_split, scale * LOG2E,
-        q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
-        ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
-        UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
-        HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
-        BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, num_stages=stages[0], num_warps=warps[0])
+    if qproj:
+        _scores_qproj[(B * units, splits)](
+            q, kdata, kscale, kzero, bk, pos0, inv_freq, S, lengths, per_split, scale * LOG2E,
+            q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
+            ks.stride(0), ks.stride(1), ks.stride(2), S.stride(0), S.stride(1),
+            UNITS_PER_GROUP=units_per_group, R=rk, HALF=q.shape[-1] // 2, BITS=kbits,
+            BLOCK_T=qproj_block_t, NUM_UNITS=units, num_stages=qproj_stages, num_warps=qproj_warps)
+    else:
+        _scores[(B * units, splits)](
+            q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
+            T, per_split, scale * LOG2E,
+            q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
+            ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
+            UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
+            HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
+            BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, TRIG16=trig16,
+            num_stages=stages[0], num_warps=warps[0])
     rvp = rv // (1 if vbits == 16 else 8 // vbits)
     brv = _pow2_block(rvp, block_rv)
     chunks = (rv // rvp) * (rvp // brv)

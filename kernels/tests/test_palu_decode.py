@@ -156,3 +156,33 @@ def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
     assert torch.equal(dst.scale[:, :, 3:8], ref.scale) and torch.equal(dst.zero[:, :, 3:8], ref.zero)
     assert dst.data[:, :, :3].eq(0).all() and dst.data[:, :, 8:].eq(0).all()   # nothing else written
     assert torch.isfinite(dequantize_latent(ref)).all()
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+@pytest.mark.parametrize("s", [1, 2])
+def test_folded_query_rope_scores_match_reference_and_rebuilt_keys(bits, s):
+    # MHA (one query per KV head), contiguous positions: the query is folded into B_k.
+    q, hk, hv, bk, _, invf = _case(2, 2, s, 1, 70, rk=64, rv=32, seed=bits + s)
+    if bits != 16:
+        hk = quantize_latent(hk, bits)
+    kw = dict(scale=0.2, n_rep=1, group_size=s, bk=bk, inv_freq=invf,
+              position_offset=torch.tensor([3, 4000], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    folded = palu_decode(q, hk, hv, qproj=True, splits=2, block_t=16, block_rv=16, **kw)
+    rebuilt = palu_decode(q, hk, hv, qproj=False, splits=2, block_t=16, block_r=16, block_rv=16, **kw)
+    assert _rel(folded, ref) < 5e-3 and _rel(rebuilt, ref) < 5e-3
+    with pytest.raises(ValueError, match="qproj=True needs RoPE"):
+        palu_decode(q, hk, hv, qproj=True, positions=torch.arange(70, device=DEV).expand(2, 70),
+                    **{k: v for k, v in kw.items() if k != "position_offset"})
+
+
+@pytest.mark.parametrize("qproj", [True, False])
+def test_rope_angle_recurrence_does_not_drift_over_many_tiles(qproj):
+    # one split of 40 tiles at positions ~60K: cos/sin are advanced tile to tile by rotation
+    q, hk, hv, bk, _, invf = _case(1, 2, 1, 1, 640, rk=32, rv=32, seed=9)
+    kw = dict(scale=0.3, n_rep=1, group_size=1, bk=bk, inv_freq=invf,
+              position_offset=torch.tensor([60000], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, qproj=qproj, splits=1, block_t=16, block_r=32, block_rv=32,
+                      qproj_block_t=16, **kw)
+    assert _rel(out, ref) < 5e-3

@@ -110,8 +110,7 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
     if not rope:
         kw["bk"] = None
     k = cfg["kernel"]
-    params = dict(block_t=k["block_t"], stages=tuple(k["stages"]), warps=tuple(k["warps"]),
-                  block_r=k["block_r"], fused_block_t=k.get("fused_block_t", 64))
+    params = {**k, "stages": tuple(k["stages"]), "warps": tuple(k["warps"])}   # palu_decode kwargs
     fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
     if T == cfg["check_length"] and B == 1:
         ref = latent_decode_reference(qi, hk, hv, **kw)
