@@ -87,11 +87,6 @@ def variant_spec(shape: DecoderShape, v: dict) -> PaluSpec | None:
 
 
 def run(cfg: dict, out: str | None = None, log=print) -> dict:
-    if not torch.cuda.is_available():
-        raise RuntimeError("the decode benchmark needs a CUDA GPU (none visible here)")
-    import triton
-
-    from .latency import measure_ceilings
     names = [v["name"] for v in cfg["variants"]]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique: {names}")
@@ -102,6 +97,11 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
             raise ValueError(f"variant {name!r}: baseline {base!r} is not one of the variants {names}")
     # validates every variant before any GPU work
     specs = {v["name"]: variant_spec(shapes[v["name"]], v) for v in cfg["variants"]}
+    if not torch.cuda.is_available():
+        raise RuntimeError("the decode benchmark needs a CUDA GPU (none visible here)")
+    import triton
+
+    from .latency import measure_ceilings
     ceil = measure_ceilings()
     checks = _check_small(cfg, log) if cfg.get("check_shape") else []
     rows = []

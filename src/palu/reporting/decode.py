@@ -30,8 +30,8 @@ def decode_frame(paths: list[str]) -> tuple[pd.DataFrame, dict]:
     return frame.sort_values(["variant", "context"]).reset_index(drop=True), meta
 
 
-def _pivot(ok, values, fmt):
-    table = ok.pivot_table(index="variant", columns="context", values=values, aggfunc="first",
+def _pivot(ok, values, fmt, index=("variant",)):
+    table = ok.pivot_table(index=list(index), columns="context", values=values, aggfunc="first",
                            observed=True)
     return table.to_markdown(floatfmt=fmt)
 
@@ -46,7 +46,7 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
     return (
         "# End-to-end decode: time per generated token and peak GPU memory vs context\n\n"
         f"{meta['device']}, Llama-2-7B shapes ({cfg['shape']['layers']} layers, hidden "
-        f"{cfg['shape']['hidden']}, {cfg['shape']['heads']} heads), batch {cfg['batch']}, fp16, "
+        f"{cfg['shape']['hidden']}, {cfg['shape']['heads']} heads), batch {cfg['batch']}; weights: "
         f"**{meta['weights']}**. Each step (embedding, every layer with its cache write, attention "
         "and MLP, LM head, argmax fed back) is one CUDA-graph replay; median of "
         f"{cfg['iters']} replays. Palu-50%: uniform ranks (half of each group's K and V); "
@@ -54,7 +54,8 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
         "with the dense model of the same kind. Roofline: (weights + cache bytes) / measured copy "
         f"bandwidth ({ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s).\n\n"
         f"## ms per token\n\n{_pivot(ok, 'ms', '.2f')}\n\n"
-        f"## Speed-up over the dense fp16 model\n\n{_pivot(ok, 'speedup', '.2f')}\n\n"
+        "## Speed-up over the row's baseline (dense fp16 model)\n\n"
+        f"{_pivot(ok, 'speedup', '.2f', ('variant', 'baseline'))}\n\n"
         f"## Peak GPU memory (GiB, weights included)\n\n{_pivot(ok, 'GiB', '.1f')}\n\n"
         f"## Fraction of the bytes roofline (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
         "## Correctness on this GPU (full-rank Palu vs dense, small shape, rel. error of logits)\n\n"

@@ -1,0 +1,61 @@
+"""GPU results -> tables and figures (runs anywhere, from the committed JSON files), and the GPU
+benchmarks' early, clear failures on a machine without a GPU or with a bad configuration."""
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from palu.bench import decode
+from palu.cli.collect import decode_outputs, latency_outputs
+
+LATENCY = sorted(str(p) for p in (ROOT / "results" / "latency").glob("h200-llama*.json"))
+DECODE = sorted(str(p) for p in (ROOT / "results" / "decode").glob("*.json"))
+DECODE_CONF = yaml.safe_load((ROOT / "conf" / "bench" / "decode.yaml").read_text())
+
+
+@pytest.mark.skipif(not LATENCY, reason="no committed latency results")
+def test_latency_table_and_figure_from_committed_runs(tmp_path):
+    (tmp_path / "tables").mkdir()
+    latency_outputs(LATENCY, str(tmp_path / "tables" / "latency"))
+    md = (tmp_path / "tables" / "latency.md").read_text()
+    assert "('llama2-7b', 'sdpa')" in md and "palu-norope-uniform-g4-int4" in md
+    assert (tmp_path / "figures" / "latency_speedup.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not DECODE, reason="no committed decode results")
+def test_decode_table_and_memory_figure_from_committed_runs(tmp_path):
+    (tmp_path / "tables").mkdir()
+    decode_outputs(DECODE, str(tmp_path / "tables" / "decode"))
+    md = (tmp_path / "tables" / "decode.md").read_text()
+    for section in ("ms per token", "Peak GPU memory", "Speed-up", "random fp16"):
+        assert section in md
+    assert (tmp_path / "figures" / "memory_vs_context.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["variants"].append(dict(c["variants"][0])), "variant names must be unique"),
+    (lambda c: c["variants"][1].update(baseline="nope"), "baseline 'nope' is not one of"),
+    (lambda c: c["variants"][1]["palu"].update(group_size=3), "group_size=3 does not divide kv_heads=32"),
+    (lambda c: c["variants"][1]["palu"].update(kept_k=1.5), "kept_k=1.5 must be in"),
+    (lambda c: c["shape"].update(heads=30), "heads=30 is not a multiple of kv_heads=32"),
+])
+def test_decode_benchmark_rejects_bad_configs_before_gpu_work(change, message):
+    cfg = copy.deepcopy(DECODE_CONF)
+    change(cfg)
+    with pytest.raises(ValueError, match=message):
+        decode.run(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, "-m", "palu.cli.decode", f"out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "needs a CUDA GPU" in proc.stdout + proc.stderr
+    assert not out.exists()
