@@ -61,3 +61,15 @@ def test_static_latent_cache_bytes_and_bad_input():
         PaluSpec.from_kept(SHAPE, 3, 0.5, 0.5)
     with pytest.raises(ValueError, match="kv_heads=3"):
         DecoderShape(layers=1, hidden=8, heads=4, kv_heads=3, head_dim=8, intermediate=8, vocab=8)
+
+
+def test_step_flops_counts_the_work_each_path_does():
+    from palu.bench.decoder import step_flops
+    s = SHAPE
+    dense = step_flops(s, None, context=99)
+    # dense attention: q.k and p.v over 100 tokens, 4 query heads of 32 dims, per layer
+    assert dense - step_flops(s, None, context=49) == s.layers * 4 * s.heads * 50 * s.head_dim
+    full = PaluSpec(2, 64, 64)
+    rope = step_flops(s, full, context=99)
+    norope = step_flops(dataclasses.replace(s, rope=False), full, context=99)
+    assert rope > dense and norope < rope    # rebuilding keys costs; the fused query does not

@@ -6,7 +6,8 @@ does not depend on the values) and generates token T+1: the whole step (embeddin
 cache write with on-the-fly quantisation, attention, MLP, LM head, argmax fed back as the next
 input) is captured once as a CUDA graph and replayed. Peak memory is torch's
 max_memory_allocated over building the cache, capturing and replaying (weights included).
-Each row carries the bytes a step must read (weights + cache) and the floor bytes / bandwidth.
+Each row carries the bytes a step must read (weights + cache), its FLOPs (`step_flops`) and the
+roofline floor max(bytes / copy bandwidth, FLOPs / matmul rate).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .decoder import Decoder, DecoderShape, PaluSpec
+from .decoder import Decoder, DecoderShape, PaluSpec, step_flops
 
 
 def _check_small(cfg, log) -> list[dict]:
@@ -124,7 +125,9 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
                 torch.cuda.empty_cache()
             if "error" not in row:
                 row["bytes_per_token"] = weights + row["cache_bytes"]
-                row["roofline_floor_s"] = row["bytes_per_token"] / ceil["copy_bytes_per_s"]
+                row["flops_per_token"] = step_flops(shape, spec, context, cfg["batch"])
+                row["roofline_floor_s"] = max(row["bytes_per_token"] / ceil["copy_bytes_per_s"],
+                                              row["flops_per_token"] / ceil["matmul_flops_per_s"])
                 row["roofline_fraction"] = row["roofline_floor_s"] / row["seconds_per_token"]
                 log(f"{name} T={context}: {row['seconds_per_token'] * 1e3:.2f} ms/token, "
                     f"peak {row['peak_bytes'] / 2**30:.1f} GiB, roofline {row['roofline_fraction']:.0%}")

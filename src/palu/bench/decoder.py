@@ -238,3 +238,23 @@ class Decoder:
         if cached is None or cached.shape[0] != batch:
             self._offsets = torch.zeros(batch, dtype=torch.int32, device=self.device)
         return self._offsets
+
+
+def step_flops(shape: DecoderShape, palu: PaluSpec | None, context: int, batch: int = 1) -> int:
+    """FLOPs of one decode step with `context` cached tokens (multiply-adds count 2)."""
+    s, T = shape, context + 1
+    H, KV, D, hid = s.heads, s.kv_heads, s.head_dim, s.hidden
+    linear = H * D * hid + hid * H * D + 3 * hid * s.intermediate           # q, o, MLP
+    if palu is None:
+        linear += 2 * KV * D * hid
+        attention = 4 * H * T * D                                           # q·k and p·v
+    else:
+        G = KV // palu.group_size
+        linear += G * (palu.rank_k + palu.rank_v) * hid + H * palu.rank_v * D  # A_kv, B_v after attention
+        values = 2 * H * T * palu.rank_v
+        if s.rope:   # keys rebuilt on-chip (per KV head), then q·k
+            attention = 2 * KV * T * D * palu.rank_k + 2 * H * T * D + values
+        else:        # q~ = B_kᵀ q once, then q~·h
+            linear += H * D * palu.rank_k
+            attention = 2 * H * T * palu.rank_k + values
+    return batch * (s.layers * (2 * linear + attention) + 2 * s.vocab * hid)

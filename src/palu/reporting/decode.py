@@ -13,7 +13,24 @@ from ..io import atomic_path, read_json  # noqa: E402
 
 COLUMNS = ["device", "variant", "rope", "baseline", "batch", "context", "group_size", "rank_k", "rank_v",
            "bits", "seconds_per_token", "speedup", "peak_bytes", "weight_bytes", "cache_bytes",
-           "bytes_per_token", "roofline_floor_s", "roofline_fraction", "error"]
+           "bytes_per_token", "flops_per_token", "tb_per_s", "tflop_per_s", "roofline_floor_s",
+           "roofline_fraction", "error"]
+
+
+def _with_rates(row: dict, run: dict) -> dict:
+    """Add the step's FLOPs (analytic, `step_flops`), achieved TB/s and TFLOP/s, and the roofline
+    floor max(bytes / copy bandwidth, FLOPs / matmul rate), both ceilings measured in the run."""
+    from ..bench.decoder import DecoderShape, PaluSpec, step_flops
+    if "error" in row:
+        return row
+    shape = DecoderShape(**run["config"]["shape"], rope=bool(row.get("rope", True)))
+    spec = None if row.get("group_size") is None else PaluSpec(
+        int(row["group_size"]), int(row["rank_k"]), int(row["rank_v"]), int(row["bits"]))
+    flops = step_flops(shape, spec, row["context"], row["batch"])
+    ceil, t = run["ceilings"], row["seconds_per_token"]
+    floor = max(row["bytes_per_token"] / ceil["copy_bytes_per_s"], flops / ceil["matmul_flops_per_s"])
+    return {**row, "flops_per_token": flops, "tb_per_s": row["bytes_per_token"] / t / 1e12,
+            "tflop_per_s": flops / t / 1e12, "roofline_floor_s": floor, "roofline_fraction": floor / t}
 
 
 def decode_frame(paths: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -21,7 +38,7 @@ def decode_frame(paths: list[str]) -> tuple[pd.DataFrame, dict]:
     for p in paths:
         run = read_json(p)
         meta = meta or run
-        rows += [{**r, "device": run["device"]} for r in run["rows"]]
+        rows += [{**_with_rates(r, run), "device": run["device"]} for r in run["rows"]]
     if not rows:
         raise ValueError(f"no decode rows in {paths}")
     order = list(dict.fromkeys(r["variant"] for r in rows))    # the config's variant order
@@ -51,13 +68,15 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
         "and MLP, LM head, argmax fed back) is one CUDA-graph replay; median of "
         f"{cfg['iters']} replays. Palu-50%: uniform ranks (half of each group's K and V); "
         "`-norope` rows are the same shapes without rotary embeddings (an OPT-like model), compared "
-        "with the dense model of the same kind. Roofline: (weights + cache bytes) / measured copy "
-        f"bandwidth ({ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s).\n\n"
+        "with the dense model of the same kind. Roofline floor: max((weights + cache bytes) / "
+        f"measured copy bandwidth ({ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s), FLOPs / measured "
+        f"fp16 matmul rate ({ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s)); bytes, FLOPs, TB/s "
+        "and TFLOP/s of every row are in decode.csv.\n\n"
         f"## ms per token\n\n{_pivot(ok, 'ms', '.2f')}\n\n"
         "## Speed-up over the row's baseline (dense fp16 model)\n\n"
         f"{_pivot(ok, 'speedup', '.2f', ('variant', 'baseline'))}\n\n"
         f"## Peak GPU memory (GiB, weights included)\n\n{_pivot(ok, 'GiB', '.1f')}\n\n"
-        f"## Fraction of the bytes roofline (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
+        f"## Fraction of the roofline floor (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
         "## Correctness on this GPU (full-rank Palu vs dense, small shape, rel. error of logits)\n\n"
         + (pd.DataFrame(meta["checks"]).to_markdown(index=False, floatfmt=".2e") if meta["checks"] else "none")
         + f"\n\n## Points that did not run\n\n{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
