@@ -11,6 +11,7 @@ roofline floor max(bytes / copy bandwidth, FLOPs / matmul rate).
 """
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
@@ -42,7 +43,9 @@ def _check_small(cfg, log) -> list[dict]:
     return out
 
 
-def _measure(model: Decoder, context: int, batch: int, iters: int) -> dict:
+def _measure(model: Decoder, context: int, batch: int, iters: int, resident: int) -> dict:
+    """`resident`: bytes still allocated by earlier variants, subtracted from the peak."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -72,7 +75,7 @@ def _measure(model: Decoder, context: int, batch: int, iters: int) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - resident
     cache_bytes = cache.nbytes()
     del graph, cache
     times.sort()
@@ -108,15 +111,22 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     rows = []
     for name, spec in specs.items():
         shape = shapes[name]
+        gc.collect()
+        torch.cuda.empty_cache()
+        # Anything still allocated here belongs to earlier variants (the first end-to-end run
+        # showed peaks of later variants 0.5-1 GiB above weights + cache); it is recorded and
+        # subtracted, so each variant's peak is its own.
+        resident = torch.cuda.memory_allocated()
         model = Decoder(shape, spec, device="cuda", seed=0, kernel_params=cfg.get("kernel"))
         weights = model.weight_bytes()
         for context in cfg["contexts"]:
             row = {"variant": name, "context": context, "batch": cfg["batch"], "weight_bytes": weights,
+                   "resident_before_bytes": resident,
                    "rope": shape.rope, "baseline": baselines[name],
                    "group_size": spec.group_size if spec else None, "rank_k": spec.rank_k if spec else None,
                    "rank_v": spec.rank_v if spec else None, "bits": spec.bits if spec else 16}
             try:
-                row.update(_measure(model, context, cfg["batch"], cfg["iters"]))
+                row.update(_measure(model, context, cfg["batch"], cfg["iters"], resident))
             except torch.OutOfMemoryError as err:
                 row["error"] = f"out of memory: {str(err)[:160]}"
                 torch.cuda.empty_cache()

@@ -76,7 +76,13 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
         "## Speed-up over the row's baseline (dense fp16 model)\n\n"
         f"{_pivot(ok, 'speedup', '.2f', ('variant', 'baseline'))}\n\n"
         f"## Peak GPU memory (GiB, weights included)\n\n{_pivot(ok, 'GiB', '.1f')}\n\n"
-        f"## Fraction of the roofline floor (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
+        + ("" if "resident_before_bytes" in meta["rows"][0] else
+           "Caveat: this run predates the per-variant accounting of memory still allocated by "
+           "earlier variants. Peak minus (weights + cache) is 0.09-0.25 GiB for the first variant "
+           "(fp16: workspace) and grows by ~0.2 GiB per variant in run order up to ~1.05 GiB, so "
+           "the peaks of later variants are upper bounds, by up to ~0.8 GiB (decode.csv has "
+           "weight_bytes and cache_bytes for each row).\n\n")
+        + f"## Fraction of the roofline floor (%)\n\n{_pivot(ok, 'roofline %', '.0f')}\n\n"
         "## Correctness on this GPU (full-rank Palu vs dense, small shape, rel. error of logits)\n\n"
         + (pd.DataFrame(meta["checks"]).to_markdown(index=False, floatfmt=".2e") if meta["checks"] else "none")
         + f"\n\n## Points that did not run\n\n{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
