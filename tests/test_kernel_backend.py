@@ -18,18 +18,23 @@ def _set_backend(model, backend):
             m.backend = backend
 
 
-def _decode_logits(model, ids, steps=3):
+def _decode_logits(model, ids, steps=3, gap=0):
+    """Prefill then greedy steps; `gap` > 0 skips positions after the 4th token (a cache whose
+    positions are not contiguous: the kernels take their arbitrary-positions path)."""
     cache = palu.LatentCache(model)
-    out = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+    pos = torch.arange(ids.shape[1])[None]
+    pos = torch.where(pos >= 4, pos + gap, pos)
+    out = [model(ids, past_key_values=cache, use_cache=True, position_ids=pos).logits[:, -1]]
     nxt = out[-1].argmax(-1, keepdim=True)
-    for _ in range(steps):
-        out.append(model(nxt, past_key_values=cache, use_cache=True).logits[:, -1])
+    for i in range(steps):
+        step_pos = pos[:, -1:] + 1 + i
+        out.append(model(nxt, past_key_values=cache, use_cache=True, position_ids=step_pos).logits[:, -1])
         nxt = out[-1].argmax(-1, keepdim=True)
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("family", ["llama", "opt"])
-def test_kernel_decode_matches_torch_decode(family, monkeypatch):
+@pytest.mark.parametrize("family, gap", [("llama", 0), ("llama", 5), ("opt", 0)])
+def test_kernel_decode_matches_torch_decode(family, gap, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
     if family == "llama":  # head_dim 32: the kernel needs head_dim/2 >= 16
@@ -44,13 +49,13 @@ def test_kernel_decode_matches_torch_decode(family, monkeypatch):
                   multiple=16, progress=False)
     ids = torch.randint(0, 97, (2, 7))
     _set_backend(model, "torch")
-    ref = _decode_logits(model, ids)
+    ref = _decode_logits(model, ids, gap=gap)
     _set_backend(model, "triton")
     from palu.attention import kernel_backend
     calls = []
     real = kernel_backend.kernel_decode
     monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a: calls.append(1) or real(*a))
-    out = _decode_logits(model, ids)
+    out = _decode_logits(model, ids, gap=gap)
     assert len(calls) == 3 * 2  # every decode step of both layers went through the kernel
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 5e-3  # fp16 latents and fp16 tensor-core operands inside the kernel

@@ -44,8 +44,14 @@ def kernel_decode(attn, x, q, hk_all, hv_all, kpos):
         bk = torch.stack([getattr(attn, f"B_k{g}") for g in range(G)]).half()
         if attn.k_bias is not None:
             return None  # a key bias is not folded into the kernel's rebuild
-        z = palu_decode(q[:, :, 0].half(), hk, hv, bk=bk, positions=kpos.expand(B, -1),
-                        inv_freq=attn._rotary[0].inv_freq, **kw)
+        pos = kpos.expand(B, -1)
+        steps = torch.arange(pos.shape[1], device=pos.device, dtype=pos.dtype)
+        if torch.equal(pos, pos[:, :1] + steps):   # the usual cache: the kernels' fast RoPE path
+            where = dict(position_offset=pos[:, 0])
+        else:
+            where = dict(positions=pos)
+        z = palu_decode(q[:, :, 0].half(), hk, hv, bk=bk, inv_freq=attn._rotary[0].inv_freq,
+                        **where, **kw)
     else:
         qf = torch.cat([attn._fused_query(x, g) for g in range(G)], 1)     # (B, H, 1, r)
         z = palu_decode(qf[:, :, 0].half(), hk, hv, **kw)
