@@ -145,17 +145,21 @@ class Decoder:
         s = dense.shape
         out = cls(s, palu, dense.device, dense.dtype, kernel_params=dense.kernel_params, init=False)
         out.embed, out.norm, out.lm_head = dense.embed, dense.norm, dense.lm_head
-        D, G, n = s.head_dim, out.groups, palu.group_size * s.head_dim
+        n = palu.group_size * s.head_dim                                   # rows of one group
+
+        def factor(w, r):   # per group g: W_g ≈ B_g A_g, singular values split evenly
+            A, B = [], []
+            for g in range(out.groups):
+                U, S, Vh = torch.linalg.svd(w[g * n:(g + 1) * n], full_matrices=False)
+                root = S[:r].sqrt()
+                A.append(root[:, None] * Vh[:r])                            # (r, hidden)
+                B.append(U[:, :r] * root)                                   # (s*D, r)
+            return A, B
+
         for layer in dense.layers:
-            wk, wv = layer["wkv"].double().split(s.kv_heads * D)
-            a, bk, bv = [], [], []
-            for g in range(G):
-                for w, r, sink in ((wk, palu.rank_k, bk), (wv, palu.rank_v, bv)):
-                    U, S, Vh = torch.linalg.svd(w[g * n:(g + 1) * n], full_matrices=False)
-                    root = S[:r].sqrt()
-                    a.append((root[:, None] * Vh[:r], sink is bk))
-                    sink.append(U[:, :r] * root)                       # (s*D, r)
-            a_kv = torch.cat([x for x, is_k in a if is_k] + [x for x, is_k in a if not is_k])
+            wk, wv = layer["wkv"].double().split(s.kv_heads * s.head_dim)
+            (ak, bk), (av, bv) = factor(wk, palu.rank_k), factor(wv, palu.rank_v)
+            a_kv = torch.cat(ak + av)            # the layout `_attend` splits: all keys, then values
             new = {k: v for k, v in layer.items() if k != "wkv"}
             new.update(a_kv=a_kv.to(dense.dtype), bv=cls._per_head(bv, s, palu, True, dense.dtype))
             if s.rope:
