@@ -38,13 +38,31 @@ def _unpack(raw, k, BITS: tl.constexpr):
 
 
 @triton.jit
+def _token_scale_zero(SCALE, ZERO, offset, offs_t, stride_t, t_ok):
+    """Per-token scale and zero point of a tile of quantised latents, float32."""
+    sc = tl.load(SCALE + offset + offs_t * stride_t, mask=t_ok, other=0.0).to(tl.float32)
+    zp = tl.load(ZERO + offset + offs_t * stride_t, mask=t_ok, other=0.0).to(tl.float32)
+    return sc, zp
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one tile of base-2 scores: (new max, rescale factor, p, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)   # a row with no token yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             T, tokens_per_split, qk_scale,
             s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_pb, s_ob, s_oh,
             UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
             ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
-            CONTIG: tl.constexpr, TRIG16: tl.constexpr):
+            CONTIG: tl.constexpr):
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
     b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
     g = u // UNITS_PER_GROUP
@@ -70,8 +88,6 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             # per-program table of iθ, so the trig cost is per tile column, not per element.
             ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
             ci, si = tl.cos(ang_i), tl.sin(ang_i)
-            if TRIG16:   # half the registers for the per-program tables (|error| < 5e-4)
-                ci, si = ci.to(tl.float16), si.to(tl.float16)
             p0 = tl.load(POS0 + b).to(tl.float32)
             # cos/sin of the tile's first position, advanced tile to tile by a rotation of
             # BLOCK_T θ: accurate trig of a large angle (~64K rad) takes the slow range-reduction
@@ -99,8 +115,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         t_ok = offs_t < t_end
         k_ptr = HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt
         if BITS != 16:
-            sc = tl.load(HKS + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
-            zp = tl.load(HKZ + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
         if ROPE:
             k1 = tl.zeros([BLOCK_T, HALF], tl.float32)
             k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
@@ -226,8 +241,7 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
             ua += tl.dot(h, tl.trans(a3))
             uc += tl.dot(h, tl.trans(c3))
         if BITS != 16:
-            sc = tl.load(HKS + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
-            zp = tl.load(HKZ + b * s_sb + g * s_sg + offs_t * s_st, mask=t_ok, other=0.0).to(tl.float32)
+            sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
             ua = ua * sc[:, None] - (sc * zp)[:, None] * za[None, :]
             uc = uc * sc[:, None] - (sc * zp)[:, None] * zc[None, :]
         cos = ci * ca[None, :] - si * sa[None, :]
@@ -264,16 +278,11 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
         t_ok = offs_t < t_end
         s = tl.load(S + b * s_sb + (g * ROWS + rows)[:, None] * s_sh + offs_t[None, :],
                     mask=row_ok[:, None] & t_ok[None, :], other=-float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
         raw = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cols[None, :],
                       mask=t_ok[:, None], other=0)
         if BITS != 16:
-            sc = tl.load(HVS + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
-            zp = tl.load(HVZ + b * s_qb + g * s_qg + offs_t * s_qt, mask=t_ok, other=0.0).to(tl.float32)
+            sc, zp = _token_scale_zero(HVS, HVZ, b * s_qb + g * s_qg, offs_t, s_qt, t_ok)
             p = p * sc[None, :]
             corr = corr * alpha + tl.sum(p * zp[None, :], 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), _unpack(raw, k, BITS))
@@ -343,20 +352,14 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
             s += tl.dot(q2, tl.trans(_unpack(rk, 2, BITS_K)))
             s += tl.dot(q3, tl.trans(_unpack(rk, 3, BITS_K)))
         if BITS_K != 16:
-            sc = tl.load(HKS + b * s_ksb + g * s_ksg + offs_t * s_kst, mask=t_ok, other=0.0).to(tl.float32)
-            zp = tl.load(HKZ + b * s_ksb + g * s_ksg + offs_t * s_kst, mask=t_ok, other=0.0).to(tl.float32)
+            sc, zp = _token_scale_zero(HKS, HKZ, b * s_ksb + g * s_ksg, offs_t, s_kst, t_ok)
             s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
         rv = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cv[None, :],
                      mask=t_ok[:, None], other=0)
         if BITS_V != 16:
-            sc = tl.load(HVS + b * s_vsb + g * s_vsg + offs_t * s_vst, mask=t_ok, other=0.0).to(tl.float32)
-            zp = tl.load(HVZ + b * s_vsb + g * s_vsg + offs_t * s_vst, mask=t_ok, other=0.0).to(tl.float32)
+            sc, zp = _token_scale_zero(HVS, HVZ, b * s_vsb + g * s_vsg, offs_t, s_vst, t_ok)
             p = p * sc[None, :]
             corr = corr * alpha + tl.sum(p * zp[None, :], 1)
         p16 = p.to(tl.float16)
@@ -490,7 +493,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 block_t: int = 64, block_r: int = 64, block_rv: int = 64,
                 stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int = 64, fused_stages: int = 2,
-                fused_warps: int = 4, trig16: bool = False, qproj: bool | None = None,
+                fused_warps: int = 4, qproj: bool | None = None,
                 qproj_block_t: int = 64, qproj_stages: int = 3, qproj_warps: int = 8) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
@@ -576,7 +579,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
             ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
             UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
             HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
-            BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, TRIG16=trig16,
+            BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig,
             num_stages=stages[0], num_warps=warps[0])
     rvp = rv // (1 if vbits == 16 else 8 // vbits)
     brv = _pow2_block(rvp, block_rv)
