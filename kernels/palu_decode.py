@@ -12,6 +12,7 @@ The caller maps z to the hidden size (fused o_proj, or B_v then o_proj).
 """
 from __future__ import annotations
 
+import os
 
 import torch
 import triton
@@ -35,6 +36,54 @@ def _unpack(raw, k, BITS: tl.constexpr):
         return raw.to(tl.float16)
     n = (((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)) | 0x6400).to(tl.int16)
     return (n.to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
+
+
+# Part k of packed bytes as fp16 n * 2^(k bits), four bytes per asm block: two PRMTs spread the
+# bytes over the half-words, one LOP3 per pair keeps field k and ORs in the fp16 exponent of 1024
+# (the FasterTransformer / Marlin trick without a shift: the field stays where it is and its
+# weight 2^(k bits) goes into the query or the output scale), one HSUB2 per pair removes the
+# 1024. The byte-wise `_unpack` spent ~3 instructions per value (two byte extracts and a pack
+# per pair, AND, OR, subtract); this spends 1.25. (Leaving the 1024 in and folding it into the
+# zero point saves the subtract but costs accuracy: the tensor cores' fp32 accumulation loses
+# the low bits of n next to 1024 — measured 10-50x larger errors for 2/4-bit, kernels/NOTES.md.)
+_PRMT = ("{ .reg .b32 a<2>, c; mov.b32 c, 0x64006400; "
+         "prmt.b32 a0, $2, 0, 0x4140; prmt.b32 a1, $2, 0, 0x4342; ")
+_LOP = ("lop3.b32 a0, a0, {m}, c, 0xea; lop3.b32 a1, a1, {m}, c, 0xea; "
+        "sub.f16x2 $0, a0, c; sub.f16x2 $1, a1, c; }}")
+_ASM_8_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00ff00ff"))
+_ASM_4_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x000f000f"))
+_ASM_4_1: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00f000f0"))
+_ASM_2_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00030003"))
+_ASM_2_1: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x000c000c"))
+_ASM_2_2: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00300030"))
+_ASM_2_3: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00c000c0"))
+
+
+@triton.jit
+def _unpack_part(raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Part k of packed latents as fp16 n * 2^(k BITS), n the stored integer (exact).
+
+    Callers divide the query part (or the output part) by 2^(k BITS). ASM=False (the Triton
+    interpreter, which runs no inline assembly) computes the same numbers with plain integer ops.
+    """
+    if ASM:
+        if BITS == 8:
+            code: tl.constexpr = _ASM_8_0
+        elif BITS == 4:
+            code: tl.constexpr = _ASM_4_0 if k == 0 else _ASM_4_1
+        elif k == 0:
+            code: tl.constexpr = _ASM_2_0
+        elif k == 1:
+            code: tl.constexpr = _ASM_2_1
+        elif k == 2:
+            code: tl.constexpr = _ASM_2_2
+        else:
+            code: tl.constexpr = _ASM_2_3
+        x = tl.inline_asm_elementwise(code, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        n = (raw.to(tl.int32) & (((1 << BITS) - 1) << (k * BITS))) | 0x6400
+        x = n.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return x
 
 
 @triton.jit
@@ -297,14 +346,26 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
 
 
 @triton.jit
+def _query_part(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, BITS: tl.constexpr):
+    """Query columns of packed part k, divided by the part's weight 2^(k BITS) (exact)."""
+    c = tl.arange(0, RKP)
+    q = tl.load(q_rows + k * RKP + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return (q * (1.0 / (1 << (k * BITS)))).to(tl.float16)
+
+
+@triton.jit
 def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_split, n_splits, qk_scale,
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_ksb, s_ksg, s_kst,
                   s_vb, s_vg, s_vt, s_vsb, s_vsg, s_vst,
                   ROWS: tl.constexpr, M: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
-                  BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr):
+                  BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr,
+                  ASM: tl.constexpr):
     """Non-RoPE models, one pass: scores, online softmax and value accumulation per tile, so the
     scores never leave the chip. One program per (sequence, group, split); whole ranks in
-    registers (the host takes this path only for small ranks)."""
+    registers (the host takes this path only for small ranks).
+
+    Packed part k is read as n 2^(k bits) (`_unpack_part`): the query part k comes pre-divided
+    by 2^(k bits) and the value part k's accumulator is divided at the end."""
     pid_g, pid_s = tl.program_id(0), tl.program_id(1)
     b, g = pid_g // G, pid_g % G
     PK: tl.constexpr = 1 if BITS_K == 16 else 8 // BITS_K
@@ -317,25 +378,26 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     length = tl.load(LENS + b)
     t0 = pid_s * tokens_per_split
     t_end = tl.minimum(t0 + tokens_per_split, length)
-    # The fused query, one slice per packed part (part k holds ranks k*RKP ...).
     q_rows = Q + b * s_qb + (g * ROWS + rows)[:, None] * s_qh
-    q0 = tl.load(q_rows + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+    kb = 16 if BITS_K == 16 else BITS_K
+    q0 = _query_part(q_rows, row_ok, 0, RKP, kb)
     q1 = q0
     q2 = q0
     q3 = q0
     if PK > 1:
-        q1 = tl.load(q_rows + RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+        q1 = _query_part(q_rows, row_ok, 1, RKP, kb)
     if PK > 2:
-        q2 = tl.load(q_rows + 2 * RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
-        q3 = tl.load(q_rows + 3 * RKP + ck[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
-    qsum = tl.sum(q0.to(tl.float32), 1)
+        q2 = _query_part(q_rows, row_ok, 2, RKP, kb)
+        q3 = _query_part(q_rows, row_ok, 3, RKP, kb)
+    qsum = tl.sum(q0.to(tl.float32), 1)      # sum(q), for the zero point
     if PK > 1:
-        qsum += tl.sum(q1.to(tl.float32), 1)
+        qsum += tl.sum(q1.to(tl.float32), 1) * (1 << BITS_K)
     if PK > 2:
-        qsum += tl.sum(q2.to(tl.float32) + q3.to(tl.float32), 1)
+        qsum += (tl.sum(q2.to(tl.float32), 1) * (1 << 2 * BITS_K)
+                 + tl.sum(q3.to(tl.float32), 1) * (1 << 3 * BITS_K))
     m_i = tl.full([M], -float("inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    corr = tl.zeros([M], tl.float32)
+    wz = tl.zeros([M], tl.float32)      # sum_t p_t s_t z_t (value zero points)
     acc0 = tl.zeros([M, RVP], tl.float32)
     acc1 = tl.zeros([M, RVP], tl.float32)
     acc2 = tl.zeros([M, RVP], tl.float32)
@@ -345,39 +407,44 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
         t_ok = offs_t < t_end
         rk = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + ck[None, :],
                      mask=t_ok[:, None], other=0)
-        s = tl.dot(q0, tl.trans(_unpack(rk, 0, BITS_K)))
-        if PK > 1:
-            s += tl.dot(q1, tl.trans(_unpack(rk, 1, BITS_K)))
-        if PK > 2:
-            s += tl.dot(q2, tl.trans(_unpack(rk, 2, BITS_K)))
-            s += tl.dot(q3, tl.trans(_unpack(rk, 3, BITS_K)))
-        if BITS_K != 16:
+        if BITS_K == 16:
+            s = tl.dot(q0, tl.trans(rk.to(tl.float16)))
+        else:
+            s = tl.dot(q0, tl.trans(_unpack_part(rk, 0, BITS_K, ASM)))
+            if PK > 1:
+                s += tl.dot(q1, tl.trans(_unpack_part(rk, 1, BITS_K, ASM)))
+            if PK > 2:
+                s += tl.dot(q2, tl.trans(_unpack_part(rk, 2, BITS_K, ASM)))
+                s += tl.dot(q3, tl.trans(_unpack_part(rk, 3, BITS_K, ASM)))
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_ksb + g * s_ksg, offs_t, s_kst, t_ok)
             s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
         m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
         rv = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cv[None, :],
                      mask=t_ok[:, None], other=0)
-        if BITS_V != 16:
+        if BITS_V == 16:
+            acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), rv.to(tl.float16))
+        else:
             sc, zp = _token_scale_zero(HVS, HVZ, b * s_vsb + g * s_vsg, offs_t, s_vst, t_ok)
-            p = p * sc[None, :]
-            corr = corr * alpha + tl.sum(p * zp[None, :], 1)
-        p16 = p.to(tl.float16)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p16, _unpack(rv, 0, BITS_V))
-        if PV > 1:
-            acc1 = acc1 * alpha[:, None] + tl.dot(p16, _unpack(rv, 1, BITS_V))
-        if PV > 2:
-            acc2 = acc2 * alpha[:, None] + tl.dot(p16, _unpack(rv, 2, BITS_V))
-            acc3 = acc3 * alpha[:, None] + tl.dot(p16, _unpack(rv, 3, BITS_V))
+            p16 = (p * sc[None, :]).to(tl.float16)
+            wz = wz * alpha + tl.sum(p16.to(tl.float32) * zp[None, :], 1)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p16, _unpack_part(rv, 0, BITS_V, ASM))
+            if PV > 1:
+                acc1 = acc1 * alpha[:, None] + tl.dot(p16, _unpack_part(rv, 1, BITS_V, ASM))
+            if PV > 2:
+                acc2 = acc2 * alpha[:, None] + tl.dot(p16, _unpack_part(rv, 2, BITS_V, ASM))
+                acc3 = acc3 * alpha[:, None] + tl.dot(p16, _unpack_part(rv, 3, BITS_V, ASM))
         m_i = m_new
     base = ((b * G + g) * n_splits + pid_s) * M
     out = ACC + (base + rows)[:, None] * RV + cv[None, :]
-    tl.store(out, acc0 - corr[:, None], mask=row_ok[:, None])
+    # part k: acc_k / 2^(k bits) = sum_t p_t s_t n_t; minus the zero points
+    vb = 16 if BITS_V == 16 else BITS_V
+    tl.store(out, acc0 - wz[:, None], mask=row_ok[:, None])
     if PV > 1:
-        tl.store(out + RVP, acc1 - corr[:, None], mask=row_ok[:, None])
+        tl.store(out + RVP, acc1 * (1.0 / (1 << vb)) - wz[:, None], mask=row_ok[:, None])
     if PV > 2:
-        tl.store(out + 2 * RVP, acc2 - corr[:, None], mask=row_ok[:, None])
-        tl.store(out + 3 * RVP, acc3 - corr[:, None], mask=row_ok[:, None])
+        tl.store(out + 2 * RVP, acc2 * (1.0 / (1 << 2 * vb)) - wz[:, None], mask=row_ok[:, None])
+        tl.store(out + 3 * RVP, acc3 * (1.0 / (1 << 3 * vb)) - wz[:, None], mask=row_ok[:, None])
     tl.store(MS + base + rows, m_i, mask=row_ok)
     tl.store(LS + base + rows, l_i, mask=row_ok)
 
@@ -424,6 +491,11 @@ def _launch_combine(acc, ms, ls, z, splits, rows, M, rv, G):
                                                 BLOCK_S=block_s)
 
 
+def _use_asm(dev) -> bool:
+    """Inline PTX on a CUDA device; the Triton interpreter (CPU tests) runs none."""
+    return dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _bits_and_parts(x, name):
     if isinstance(x, QuantLatent):
         return x.bits, x.data, x.scale, x.zero, x.rank
@@ -463,7 +535,7 @@ def _fused_unfit(rope, rk, rv, kbits, vbits, M) -> str | None:
 
 
 def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,
-               B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits):
+               B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits, maxnreg=None):
     dev = kdata.device
     if splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
@@ -481,7 +553,8 @@ def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, leng
         kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
         vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         ROWS=rows, M=M, RK=rk, RV=rv, BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
-        num_stages=stages, num_warps=warps)
+        ASM=_use_asm(dev), num_stages=stages, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
     _launch_combine(acc, ms, ls, z, splits, rows, M, rv, G)
     return z
@@ -492,8 +565,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 splits: int | None = None,
                 block_t: int = 64, block_r: int = 64, block_rv: int = 64,
                 stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
-                fused: bool | None = None, fused_block_t: int = 64, fused_stages: int = 2,
-                fused_warps: int = 4, qproj: bool | None = None,
+                fused: bool | None = None, fused_block_t: int = 64, fused_stages: int | None = None,
+                fused_warps: int = 4, fused_maxnreg: int | None = None, qproj: bool | None = None,
                 qproj_block_t: int = 64, qproj_stages: int = 3, qproj_warps: int = 8) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
@@ -534,9 +607,11 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if fused and why_not:
         raise ValueError(f"the one-pass kernel cannot serve this layer: {why_not}")
     if fused is not False and not why_not:
+        if fused_stages is None:   # measured (kernels/NOTES.md, v9): 3 for packed latents
+            fused_stages = 2 if kbits == vbits == 16 else 3
         return _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths,
                           scale, B, G, T, H, rk, rv, group_size * n_rep, mv,
-                          fused_block_t, fused_stages, fused_warps, splits)
+                          fused_block_t, fused_stages, fused_warps, splits, fused_maxnreg)
     contig = positions is None
     if contig:
         pos0 = (torch.zeros(B, dtype=torch.int32, device=dev) if position_offset is None

@@ -104,7 +104,7 @@ def test_rank_that_does_not_tile_is_rejected():
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf)
 
 
-@pytest.mark.parametrize("bits", [16, 4, 2])
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
 @pytest.mark.parametrize("B, G, s, n_rep, T", [(1, 2, 1, 2, 45), (2, 1, 2, 1, 130)])
 def test_one_pass_norope_kernel_matches_two_pass_and_reference(bits, B, G, s, n_rep, T):
     q, hk, hv, _, _, _ = _case(B, G, s, n_rep, T, rk=64, rv=128, rope=False, seed=bits + T)
@@ -186,3 +186,22 @@ def test_rope_angle_recurrence_does_not_drift_over_many_tiles(qproj):
     out = palu_decode(q, hk, hv, qproj=qproj, splits=1, block_t=16, block_r=32, block_rv=32,
                       qproj_block_t=16, **kw)
     assert _rel(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_packed_part_weights_and_zero_points_are_removed_exactly(bits):
+    # Latents that are zero except one column whose size varies per token (so do the per-token
+    # scales): the result then hinges on how the 2^(k bits) part weights and the zero points are
+    # removed by the one-pass kernel, and a slip in either is an error of order one scale.
+    q, hk, hv, _, _, _ = _case(1, 1, 2, 1, 33, rk=64, rv=64, rope=False, seed=bits)
+    size = torch.rand(hk.shape[:-1], generator=torch.Generator().manual_seed(1)).to(DEV) + 0.5
+    hk = torch.zeros_like(hk)
+    hv = torch.zeros_like(hv)
+    hk[..., -1] = size.half()           # last rank: the highest part of the packing
+    hv[..., 0] = size.half()
+    hv[..., -1] = -(2 - size).half()
+    qk, qv = quantize_latent(hk, bits), quantize_latent(hv, bits)
+    kw = dict(scale=0.3, n_rep=1, group_size=2)
+    ref = latent_decode_reference(q, qk, qv, **kw)
+    out = palu_decode(q, qk, qv, fused=True, fused_block_t=16, splits=2, **kw)
+    assert _rel(out, ref) < 1e-3

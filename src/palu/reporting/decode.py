@@ -50,6 +50,9 @@ def decode_frame(paths: list[str]) -> tuple[pd.DataFrame, dict]:
 def _pivot(ok, values, fmt, index=("variant",)):
     table = ok.pivot_table(index=list(index), columns="context", values=values, aggfunc="first",
                            observed=True)
+    if len(index) > 1:   # one readable row label: "variant (vs baseline)"
+        table.index = [f"{v} (vs {b})" for v, b in table.index]
+        table.index.name = "variant"
     return table.to_markdown(floatfmt=fmt)
 
 
