@@ -1,0 +1,90 @@
+"""Compile the one-pass decode kernel for a Hopper GPU on a machine without one, and count the
+machine instructions of its main loop (triton ships `ptxas` and `cuobjdump`).
+
+Why: a kernel version's prediction ("fewer instructions per token", "fewer registers, one more
+block per SM") can be checked in seconds on a laptop before spending GPU time, and a CPU test
+can check that the inline PTX in `palu_decode` assembles. The counts depend on the triton version
+(the H200 runs in kernels/NOTES.md used triton 3.6).
+
+    python -m kernels.sass            # table for fp16 / 8 / 4 / 2-bit latents, Llama-2 g4 shapes
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .palu_decode import _fused_norope
+
+_INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);")
+
+
+def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 64,
+                  warps: int = 4, stages: int = 3, tokens: int = 65536, arch: int = 90):
+    """`_fused_norope` for one group size / width, specialised as a contiguous cache would be."""
+    if not hasattr(_fused_norope, "cache_key"):
+        raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; compiling needs "
+                           "TRITON_INTERPRET=0 (e.g. a fresh `python -m kernels.sass`)")
+    per = 1 if bits == 16 else 8 // bits
+    cols = rank // per
+    consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RK=rank, RV=rank,
+                  BITS_K=bits, BITS_V=bits, BLOCK_T=block_t, G=8, ASM=True, s_kst=1, s_vst=1)
+    divisible = dict(s_qb=32 * rank, s_qh=rank, s_kt=cols, s_kg=tokens * cols, s_kb=8 * tokens * cols,
+                     s_vt=cols, s_vg=tokens * cols, s_vb=8 * tokens * cols,
+                     s_ksb=8 * tokens, s_ksg=tokens, s_vsb=8 * tokens, s_vsg=tokens)
+    names = _fused_norope.arg_names
+    pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HV": "*u8" if bits != 16 else "*fp16",
+               "HKS": "*fp16", "HKZ": "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
+               "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
+    sig = {n: "constexpr" if n in consts else pointer.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in pointer or (n in divisible and divisible[n] % 16 == 0)}
+    src = ASTSource(fn=_fused_norope, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loop_profile(kernel) -> dict:
+    """Registers, shared memory and the opcode counts of the largest loop (the token loop)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    ins = [(int(a, 16), op, rest) for a, op, rest in _INS.findall(sass)]
+    loop = None
+    for addr, op, rest in ins:      # the widest backward branch closes the token loop
+        target = re.search(r"0x([0-9a-f]+)", rest)
+        if op.startswith("BRA") and target and int(target.group(1), 16) < addr:
+            span = (int(target.group(1), 16), addr)
+            if loop is None or span[1] - span[0] > loop[1] - loop[0]:
+                loop = span
+    ops = collections.Counter(op.split(".")[0] for a, op, _ in ins if loop and loop[0] <= a <= loop[1])
+    regs = re.search(r"REG:(\d+)", res)
+    return {"registers": int(regs.group(1)) if regs else None, "shared": kernel.metadata.shared,
+            "loop_instructions": sum(ops.values()), "ops": ops}
+
+
+if __name__ == "__main__":
+    print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
+          "64-token tiles, 4 warps")
+    print(f"{'bits':>4} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10}  top opcodes")
+    for bits in (16, 8, 4, 2):
+        p = loop_profile(compile_fused(bits=bits, stages=2 if bits == 16 else 3))
+        top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(10))
+        print(f"{bits:4d} {p['registers']:5d} {p['shared']:7d} {p['loop_instructions']:6d} "
+              f"{p['loop_instructions'] * 4 / 64:10.1f}  {top}")
