@@ -52,10 +52,32 @@ def test_kernel_decode_matches_torch_decode(family, gap, monkeypatch):
     ref = _decode_logits(model, ids, gap=gap)
     _set_backend(model, "triton")
     from palu.attention import kernel_backend
-    calls = []
-    real = kernel_backend.kernel_decode
+    import kernels.palu_decode as kpd
+    calls, paths = [], []
+    real, real_kernel = kernel_backend.kernel_decode, kpd.palu_decode
     monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kpd, "palu_decode", lambda *a, **k: paths.append(
+        "positions" if "positions" in k else "offset") or real_kernel(*a, **k))
     out = _decode_logits(model, ids, gap=gap)
     assert len(calls) == 3 * 2  # every decode step of both layers went through the kernel
+    if family == "llama":       # the cache's tracked contiguity picks the RoPE path
+        assert set(paths) == {"positions" if gap else "offset"}
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 5e-3  # fp16 latents and fp16 tensor-core operands inside the kernel
+
+
+def test_latent_cache_tracks_position_contiguity_as_tokens_arrive():
+    cache = palu.LatentCache(num_layers=1)
+    layer = cache.layers[0]
+    hk, hv = torch.zeros(2, 4, 8), torch.zeros(2, 4, 6)
+    cache.update_latent(hk, hv, torch.tensor([[3, 4, 5, 6], [0, 1, 2, 3]]), 0)
+    assert layer.contiguous                       # each row runs p0, p0 + 1, ...
+    cache.update_latent(hk[:, :1], hv[:, :1], torch.tensor([[7], [4]]), 0)
+    assert layer.contiguous
+    cache.update_latent(hk[:, :1], hv[:, :1], torch.tensor([[9], [5]]), 0)   # row 0 skips 8
+    assert not layer.contiguous
+    cache.update_latent(hk[:, :1], hv[:, :1], torch.tensor([[10], [6]]), 0)
+    assert not layer.contiguous                   # once broken, stays broken
+    fresh = palu.LatentCache(num_layers=1)
+    fresh.update_latent(hk, hv, torch.tensor([[0, 1, 5, 6]]), 0)
+    assert not fresh.layers[0].contiguous         # a gap inside the prefill

@@ -31,8 +31,12 @@ def can_use_kernel(attn, x, mask, hk_all) -> str | None:
     return None
 
 
-def kernel_decode(attn, x, q, hk_all, hv_all, kpos):
-    """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden)."""
+def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = None):
+    """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden).
+
+    `contiguous`: whether every row's cache positions run p0, p0 + 1, ... (LatentCache tracks
+    it as tokens arrive); None checks the positions here (O(T), one host sync).
+    """
     from kernels.layout import as_groups
     from kernels.palu_decode import palu_decode
     B = x.shape[0]
@@ -45,8 +49,10 @@ def kernel_decode(attn, x, q, hk_all, hv_all, kpos):
         if attn.k_bias is not None:
             return None  # a key bias is not folded into the kernel's rebuild
         pos = kpos.expand(B, -1)
-        steps = torch.arange(pos.shape[1], device=pos.device, dtype=pos.dtype)
-        if torch.equal(pos, pos[:, :1] + steps):   # the usual cache: the kernels' fast RoPE path
+        if contiguous is None:
+            steps = torch.arange(pos.shape[1], device=pos.device, dtype=pos.dtype)
+            contiguous = torch.equal(pos, pos[:, :1] + steps)
+        if contiguous:   # the usual cache: the kernels' fast RoPE path
             where = dict(position_offset=pos[:, 0])
         else:
             where = dict(positions=pos)

@@ -121,7 +121,9 @@ class PaluAttention(nn.Module):
         if self.fuse and self.backend != "torch" and past_key_values is not None:
             from .kernel_backend import can_use_kernel, kernel_decode
             if can_use_kernel(self, x, mask, hk_all) is None:
-                out = kernel_decode(self, x, q, hk_all, hv_all, kpos)
+                contiguous = (past_key_values.layers[self.layer_idx].contiguous
+                              if isinstance(past_key_values, LatentCache) else None)
+                out = kernel_decode(self, x, q, hk_all, hv_all, kpos, contiguous)
                 if out is not None:
                     return out, None
         outs, heads = [], []

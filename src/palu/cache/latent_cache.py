@@ -15,11 +15,19 @@ class LatentLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.positions: torch.Tensor | None = None
+        # Every row holds positions p0, p0 + 1, ... (the usual cache): the decode kernels then
+        # take a per-row offset and their fast RoPE path. Tracked as tokens arrive, so a decode
+        # step checks its new tokens only, not the whole cache.
+        self.contiguous = True
 
     def update_latent(self, hk, hv, positions):
         """Append latents (B, T, R) and positions (B, T); return everything stored so far."""
         keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
         positions = positions.to(torch.int32).expand(hk.shape[0], -1)
+        if self.contiguous:
+            start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
+            steps = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
+            self.contiguous = bool((positions == start + steps).all())
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
         return keys.squeeze(1), values.squeeze(1), self.positions
 
