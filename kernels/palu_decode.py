@@ -347,7 +347,8 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
 
 @triton.jit
 def _query_part(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, BITS: tl.constexpr):
-    """Query columns of packed part k, divided by the part's weight 2^(k BITS) (exact)."""
+    """Query columns of packed part k, divided by the part's weight 2^(k BITS): exact down to
+    |q| = 2^(k BITS - 14); below, fp16 subnormals round q by less than 2^(k BITS - 25)."""
     c = tl.arange(0, RKP)
     q = tl.load(q_rows + k * RKP + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     return (q * (1.0 / (1 << (k * BITS)))).to(tl.float16)
@@ -575,7 +576,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     inv_freq [D/2]); otherwise q is the fused query [B, H, Rk]. Positions are either arbitrary
     (`positions` [B, T]) or contiguous from `position_offset` [B] (the usual cache; faster RoPE).
     Non-RoPE layers with small ranks take the one-pass `_fused_norope` kernel (`fused=None`:
-    whenever it can; False: always the three-launch path; True: required, else an error).
+    whenever it can; False: always the three-launch path; True: required, else an error);
+    `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
+    registers per thread (a tuning knob; kernels/NOTES.md).
     """
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
     vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
