@@ -81,3 +81,39 @@ def test_latent_cache_tracks_position_contiguity_as_tokens_arrive():
     fresh = palu.LatentCache(num_layers=1)
     fresh.update_latent(hk, hv, torch.tensor([[0, 1, 5, 6]]), 0)
     assert not fresh.layers[0].contiguous         # a gap inside the prefill
+
+
+@pytest.mark.parametrize("scaling, kernel", [
+    ({"rope_type": "linear", "factor": 2.0}, True),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 4}, True),
+    # dynamic NTK recomputes inv_freq once positions pass max_position_embeddings (here 4):
+    # the kernels read it from the model's rotary module after the step's update
+    ({"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4}, True),
+    # YaRN scales the attention logits as well (attention_scaling != 1): the torch path serves it
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
+      "max_position_embeddings": 8192}, False)])
+def test_rope_scaling_types_decode_like_the_torch_path(scaling, kernel, monkeypatch):
+    # linear / llama3 fold their scaling into inv_freq, which the kernels read from the model's
+    # rotary module; a short original context makes llama3's frequency bands all matter here.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    extra = {k: scaling.pop(k) for k in ("max_position_embeddings",) if k in scaling}
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32, rope_scaling=scaling,
+                                        **extra)).eval()
+    model = copy.deepcopy(base)
+    palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=1, multiple=16,
+                  progress=False)
+    ids = torch.randint(0, 97, (2, 7))
+    _set_backend(model, "torch")
+    ref = _decode_logits(model, ids)
+    _set_backend(model, "triton")
+    from palu.attention import kernel_backend
+    calls = []
+    real = kernel_backend.kernel_decode
+    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    out = _decode_logits(model, ids)
+    assert len(calls) == (3 * 2 if kernel else 0)
+    assert ((out - ref).norm() / ref.norm()).item() < 5e-3

@@ -2,7 +2,12 @@
 
 `backend="auto"` uses it for one-token decode steps of fp16/bf16 models on CUDA when the kernel
 can serve the layer (uniform ranks across groups, no padding mask, no RoPE attention scaling,
-head_dim a multiple of 32); everything else takes the torch reference path. `backend="triton"`
+head_dim a multiple of 32); everything else takes the torch reference path. RoPE scaling types
+that only change the frequencies (linear, llama3, dynamic NTK) are served: the kernels read
+inv_freq from the model's rotary module at each step; YaRN / LongRoPE also scale the logits
+(attention_scaling != 1) and take the torch path. Palu re-rotates every cached key each step,
+so under dynamic NTK old keys follow the current frequencies (a dense HF cache keeps the
+rotation they were stored with). `backend="triton"`
 forces it whenever it can run at all (any dtype; on CPU through TRITON_INTERPRET=1: tests).
 """
 from __future__ import annotations
