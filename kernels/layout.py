@@ -8,7 +8,8 @@ Quantised latents (``bits`` in {2, 4, 8}): asymmetric min-max per token and grou
 the rank so that byte ``c`` holds elements ``c + k * rank / per_byte`` for ``k < per_byte``
 (``per_byte = 8 // bits``) in bits ``k*bits .. k*bits + bits - 1``. A kernel therefore dequantises
 ``per_byte`` contiguous slices of the rank without any interleaving. Scales and zero points are
-fp16 tensors ``[batch, groups, tokens]``.
+fp16 tensors ``[batch, groups, tokens]``; a latent is ``(n - zero) * scale``, the zero point an
+integer in [-1024, 1024 + levels] (outside [0, levels] only for tokens whose latents share a sign).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 SUPPORTED_BITS = (2, 4, 8)
 MIN_SCALE = 2.0 ** -14   # smallest normal fp16: a constant row must not get a zero scale
+ZERO_LIMIT = 1024.0      # |zero point| bound: integers up to 2048 are exact in fp16
 
 
 def as_groups(latents: torch.Tensor, groups: int) -> torch.Tensor:
@@ -51,9 +53,11 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     hf = h.float()
     lo, hi = hf.amin(-1), hf.amax(-1)
     # Rounding is half-up (floor(x + 0.5)) and the scale at least fp16's smallest normal number,
-    # so that kernels/quantize.py reproduces this bit for bit.
-    scale = ((hi - lo) / levels).clamp_min(MIN_SCALE).half()
-    zero = torch.floor(-lo / scale.float() + 0.5).clamp(0, levels).half()
+    # so that kernels/quantize.py reproduces this bit for bit. A token whose latents all share
+    # one sign gets a zero point outside [0, levels] (clamping it there saturated every value);
+    # the scale is kept >= |lo| / ZERO_LIMIT so the zero point stays an integer fp16 holds exactly.
+    scale = torch.maximum((hi - lo) / levels, lo.abs() / ZERO_LIMIT).clamp_min(MIN_SCALE).half()
+    zero = torch.floor(-lo / scale.float() + 0.5).half()
     q = torch.floor(hf / scale.float()[..., None] + zero.float()[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
     parts = q.split(R // per_byte, dim=-1)
     packed = torch.zeros_like(parts[0])

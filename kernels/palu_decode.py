@@ -332,7 +332,10 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
                       mask=t_ok[:, None], other=0)
         if BITS != 16:
             sc, zp = _token_scale_zero(HVS, HVZ, b * s_qb + g * s_qg, offs_t, s_qt, t_ok)
-            p = p * sc[None, :]
+            # the zero-point term must use the same fp16-rounded weights as the dot: otherwise
+            # their rounding (2^-12 relative) times the token's zero point lands in every column
+            # alike, a common-mode error that an output projection can amplify
+            p = (p * sc[None, :]).to(tl.float16).to(tl.float32)
             corr = corr * alpha + tl.sum(p * zp[None, :], 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), _unpack(raw, k, BITS))
         m_i = m_new

@@ -12,14 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import MIN_SCALE, QuantLatent
+from .layout import MIN_SCALE, ZERO_LIMIT, QuantLatent
 
 
 @triton.jit
 def _quantize_store(H, DATA, SCALE, ZERO, start,
                     s_hb, s_hg, s_ht, s_db, s_dg, s_dt, s_sb, s_sg, s_st,
                     R: tl.constexpr, RP_P2: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    MIN_S: tl.constexpr):
+                    MIN_S: tl.constexpr, ZLIM: tl.constexpr):
     pid, t = tl.program_id(0), tl.program_id(1)
     b, g = pid // G, pid % G
     PER: tl.constexpr = 8 // BITS
@@ -35,9 +35,9 @@ def _quantize_store(H, DATA, SCALE, ZERO, start,
         lo = tl.minimum(lo, tl.where(ok, x, float("inf")))
         hi = tl.maximum(hi, tl.where(ok, x, -float("inf")))
     lo_all, hi_all = tl.min(lo, 0), tl.max(hi, 0)
-    scale = tl.maximum((hi_all - lo_all) / LEVELS, MIN_S).to(tl.float16)
+    scale = tl.maximum(tl.maximum((hi_all - lo_all) / LEVELS, tl.abs(lo_all) / ZLIM), MIN_S).to(tl.float16)
     sf = scale.to(tl.float32)
-    zero = tl.minimum(tl.maximum(tl.floor(-lo_all / sf + 0.5), 0.0), LEVELS).to(tl.float16)
+    zero = tl.floor(-lo_all / sf + 0.5).to(tl.float16)     # see quantize_latent
     zf = zero.to(tl.float32)
     packed = tl.zeros([RP_P2], tl.int32)
     for k in tl.static_range(PER):
@@ -61,4 +61,5 @@ def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int) -> None:
         h, dst.data, dst.scale, dst.zero, start, h.stride(0), h.stride(1), h.stride(2),
         dst.data.stride(0), dst.data.stride(1), dst.data.stride(2),
         dst.scale.stride(0), dst.scale.stride(1), dst.scale.stride(2),
-        R=R, RP_P2=triton.next_power_of_2(rp), BITS=dst.bits, G=G, MIN_S=MIN_SCALE, num_warps=1)
+        R=R, RP_P2=triton.next_power_of_2(rp), BITS=dst.bits, G=G, MIN_S=MIN_SCALE,
+        ZLIM=ZERO_LIMIT, num_warps=1)

@@ -117,3 +117,64 @@ def test_rope_scaling_types_decode_like_the_torch_path(scaling, kernel, monkeypa
     out = _decode_logits(model, ids)
     assert len(calls) == (3 * 2 if kernel else 0)
     assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def _tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=128, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32)).eval()
+
+
+def _decode_with(model, ids, bits, steps=3):
+    """Prefill, then `steps` one-token steps fed fixed tokens (not argmax: two paths whose
+    logits differ by rounding must not diverge on a near-tie)."""
+    cache = palu.LatentCache(model, bits=bits)
+    nxt = torch.randint(0, 97, (ids.shape[0], steps), generator=torch.Generator().manual_seed(7))
+    out = [model(ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+    for i in range(steps):
+        out.append(model(nxt[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+    return torch.stack(out, 1), cache
+
+
+def test_quantised_latent_cache_degrades_in_order_and_holds_packed_bytes():
+    model = _tiny_llama()
+    palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=2, multiple=16,
+                  progress=False)
+    _set_backend(model, "torch")
+    ids = torch.randint(0, 97, (2, 9))
+    ref, _ = _decode_with(model, ids, None)
+    errs = {}
+    for bits in (8, 4, 2):
+        out, cache = _decode_with(model, ids, bits)
+        errs[bits] = ((out - ref).norm() / ref.norm()).item()
+        n = cache.nbytes()
+        B, T, G, rank = 2, 9 + 3, 1, 32          # one group of 2 KV heads, rank 64 * 0.5
+        assert n["latents"] == 2 * 2 * B * T * rank * bits // 8        # 2 layers, K and V
+        assert n["scales"] == 2 * 2 * B * T * G * 2 * 2                # fp16 scale + zero
+    assert errs[8] < 0.02 and errs[8] < errs[4] < errs[2]
+
+
+@pytest.mark.parametrize("bits, kept", [(8, 0.5), (4, 0.5), (2, 1.0)])
+def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = _tiny_llama(1)
+    palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=kept, group_size=2,
+                  multiple=16, progress=False)
+    ids = torch.randint(0, 97, (2, 7))
+    _set_backend(model, "torch")
+    ref, _ = _decode_with(model, ids, bits)
+    _set_backend(model, "triton")
+    from palu.attention import kernel_backend
+    calls = []
+    real = kernel_backend.kernel_decode
+    monkeypatch.setattr(kernel_backend, "kernel_decode",
+                        lambda *a: calls.append(a[-1] is not None) or real(*a))
+    out, _ = _decode_with(model, ids, bits)
+    assert calls == [True] * (3 * 2)   # every decode step read the packed cache
+    assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+
+
+def test_latent_cache_rejects_an_unsupported_width():
+    with pytest.raises(ValueError, match="bits=3 is not one of"):
+        palu.LatentCache(num_layers=1, bits=3)

@@ -205,3 +205,32 @@ def test_packed_part_weights_and_zero_points_are_removed_exactly(bits):
     ref = latent_decode_reference(q, qk, qv, **kw)
     out = palu_decode(q, qk, qv, fused=True, fused_block_t=16, splits=2, **kw)
     assert _rel(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_an_outlier_latent_does_not_leak_into_the_other_columns(rope):
+    # One value latent at -10 and the rest near 0: zero points ~ levels and stored integers
+    # ~ levels for every small value. Removing the zero points with weights rounded differently
+    # from the dot's (the two-pass values kernel did) left sum_t (rounding_t) n_t s_t in every
+    # column: 10-100x the small columns' signal (in a tiny model: 2% logit errors).
+    q, hk, hv, bk, pos, invf = _case(1, 2, 1, 2, 45, rk=64, rv=64, rope=rope, seed=5)
+    hv = 0.02 * hv
+    hv[..., 0] = -10.0
+    qk, qv = quantize_latent(hk, 8), quantize_latent(hv, 8)
+    kw = dict(scale=0.2, n_rep=2, group_size=1, bk=bk, positions=pos, inv_freq=invf)
+    ref = latent_decode_reference(q, qk, qv, **kw)
+    for fused in ([False] if rope else [False, True]):
+        out = palu_decode(q, qk, qv, splits=3, block_t=16, block_r=16, block_rv=16, fused=fused, **kw)
+        assert _rel(out[..., 1:], ref[..., 1:]) < 2e-3
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_tokens_whose_latents_share_a_sign_are_not_saturated(bits):
+    # min-max quantisation with the zero point clamped to [0, levels] mapped an all-positive
+    # token to levels everywhere; the zero point may now leave that range (|z| <= 1024).
+    h = torch.rand(2, 3, 5, 64, generator=torch.Generator().manual_seed(0)) + 28.0
+    h[0, 0, 0] = 28.0 + 1e-3 * torch.rand(64)            # a tiny range at a large offset
+    h = h.half().float()
+    back = dequantize_latent(quantize_latent(h, bits), torch.float32)
+    step = torch.maximum((h.amax(-1) - h.amin(-1)) / (2 ** bits - 1), h.amin(-1).abs() / 1024)
+    assert ((back - h).abs() <= step[..., None] * 0.5 + 2e-3).all()   # + fp16 scale rounding

@@ -17,12 +17,16 @@ import os
 import torch
 
 
-def can_use_kernel(attn, x, mask, hk_all) -> str | None:
-    """None if the kernel can run this step, else the reason it cannot."""
+def can_use_kernel(attn, x, mask, hk_all, bits: int | None = None) -> str | None:
+    """None if the kernel can run this step, else the reason it cannot (`bits`: the cache's
+    packed width, None for unquantised latents)."""
     if x.shape[1] != 1:
         return "prefill (more than one query token)"
     if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:
         return "ranks differ between groups"
+    per = 1 if bits is None else 8 // bits
+    if (attn.ranks_k[0] // per) % 16 or (attn.ranks_v[0] // per) % 16:
+        return f"ranks ({attn.ranks_k[0]}, {attn.ranks_v[0]}) give stored columns not a multiple of 16"
     if attn.backend == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16)):
         return "auto backend: kernels only for fp16/bf16 on CUDA"
     if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -36,18 +40,22 @@ def can_use_kernel(attn, x, mask, hk_all) -> str | None:
     return None
 
 
-def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = None):
+def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = None, packed=None):
     """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden).
 
     `contiguous`: whether every row's cache positions run p0, p0 + 1, ... (LatentCache tracks
-    it as tokens arrive); None checks the positions here (O(T), one host sync).
+    it as tokens arrive); None checks the positions here (O(T), one host sync). `packed`: the
+    quantised cache's (keys, values) as kernel-layout QuantLatents, read instead of the latents.
     """
     from kernels.layout import as_groups
     from kernels.palu_decode import palu_decode
     B = x.shape[0]
     G, s = attn.n_groups, attn.group_size
-    hk = as_groups(hk_all.unsqueeze(1), G).half()
-    hv = as_groups(hv_all.unsqueeze(1), G).half()
+    if packed is not None:
+        hk, hv = packed
+    else:
+        hk = as_groups(hk_all.unsqueeze(1), G).half()
+        hv = as_groups(hv_all.unsqueeze(1), G).half()
     kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=s)
     if attn.geom.rope:
         bk = torch.stack([getattr(attn, f"B_k{g}") for g in range(G)]).half()

@@ -120,10 +120,13 @@ class PaluAttention(nn.Module):
                 kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         if self.fuse and self.backend != "torch" and past_key_values is not None:
             from .kernel_backend import can_use_kernel, kernel_decode
-            if can_use_kernel(self, x, mask, hk_all) is None:
-                contiguous = (past_key_values.layers[self.layer_idx].contiguous
-                              if isinstance(past_key_values, LatentCache) else None)
-                out = kernel_decode(self, x, q, hk_all, hv_all, kpos, contiguous)
+            layer = (past_key_values.layers[self.layer_idx]
+                     if isinstance(past_key_values, LatentCache) else None)
+            bits = layer.bits if layer is not None else None
+            if can_use_kernel(self, x, mask, hk_all, bits) is None:
+                packed = layer.packed_groups(self.n_groups) if bits else None
+                out = kernel_decode(self, x, q, hk_all, hv_all, kpos,
+                                    layer.contiguous if layer is not None else None, packed)
                 if out is not None:
                     return out, None
         outs, heads = [], []
@@ -178,7 +181,8 @@ class PaluAttention(nn.Module):
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
             position_ids = torch.arange(past, past + T, device=device)[None]
         if isinstance(cache, LatentCache):
-            return cache.update_latent(hk, hv, position_ids, self.layer_idx)
+            return cache.update_latent(hk, hv, position_ids, self.layer_idx,
+                                       ranks=(self.ranks_k, self.ranks_v))
         if cache is not None:  # any other Cache stores the latents as one pseudo-head
             k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
             S = k.shape[-2]

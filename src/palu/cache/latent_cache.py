@@ -4,25 +4,68 @@ Plugs into transformers' Cache API, so `model.generate(..., past_key_values=Late
 works. Per layer it keeps `keys` (B, 1, T, R_k) and `values` (B, 1, T, R_v) — the latents of all
 groups side by side (groups may have different ranks) — plus the token positions (B, T) that
 RoPE needs when keys are rebuilt.
+
+`LatentCache(model, bits=4)` (or 2, 8) stores the latents quantised per token and group in the
+packed layout of `kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
+side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
+decode kernels read it as it is; the torch path gets the dequantised latents.
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
+
+
+def _quantize_groups(h, ranks, bits):
+    """(B, T, sum ranks) -> packed (B, 1, T, sum ranks / per_byte) uint8 and (B, T, G, 2) fp16."""
+    data, sz, off = [], [], 0
+    for r in ranks:
+        q = quantize_latent(h[..., off:off + r].unsqueeze(1), bits)      # groups one at a time
+        data.append(q.data)
+        sz.append(torch.stack([q.scale[:, 0], q.zero[:, 0]], -1))         # (B, T, 2)
+        off += r
+    return torch.cat(data, -1), torch.stack(sz, 2)
+
+
+def _dequantize_groups(data, sz, ranks, bits, dtype):
+    per, out, off = 8 // bits, [], 0
+    for g, r in enumerate(ranks):
+        q = QuantLatent(data[..., off:off + r // per], sz[:, None, :, g, 0], sz[:, None, :, g, 1], bits, r)
+        out.append(dequantize_latent(q, dtype)[:, 0])
+        off += r // per
+    return torch.cat(out, -1)
+
 
 class LatentLayer(DynamicLayer):
-    def __init__(self, **kwargs):
+    def __init__(self, bits: int | None = None, **kwargs):
         super().__init__(**kwargs)
+        self.bits = bits
+        self.key_sz: torch.Tensor | None = None       # packed mode: scales and zero points
+        self.value_sz: torch.Tensor | None = None
+        self.ranks: tuple[list[int], list[int]] | None = None
         self.positions: torch.Tensor | None = None
         # Every row holds positions p0, p0 + 1, ... (the usual cache): the decode kernels then
         # take a per-row offset and their fast RoPE path. Tracked as tokens arrive, so a decode
         # step checks its new tokens only, not the whole cache.
         self.contiguous = True
 
-    def update_latent(self, hk, hv, positions):
-        """Append latents (B, T, R) and positions (B, T); return everything stored so far."""
-        keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
+    def update_latent(self, hk, hv, positions, ranks=None):
+        """Append latents (B, T, R) and positions (B, T); return everything stored so far
+        (dequantised in packed mode; `ranks` = (per-group key ranks, value ranks), default one
+        group each)."""
+        if self.bits is None:
+            keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
+        else:
+            self.ranks = ranks or ([hk.shape[-1]], [hv.shape[-1]])
+            (kd, ksz), (vd, vsz) = (_quantize_groups(hk, self.ranks[0], self.bits),
+                                    _quantize_groups(hv, self.ranks[1], self.bits))
+            keys, values = self.update(kd, vd)
+            self.key_sz = ksz if self.key_sz is None else torch.cat([self.key_sz, ksz], 1)
+            self.value_sz = vsz if self.value_sz is None else torch.cat([self.value_sz, vsz], 1)
+            keys = _dequantize_groups(keys, self.key_sz, self.ranks[0], self.bits, hk.dtype)[:, None]
+            values = _dequantize_groups(values, self.value_sz, self.ranks[1], self.bits, hv.dtype)[:, None]
         positions = positions.to(torch.int32).expand(hk.shape[0], -1)
         if self.contiguous:
             start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
@@ -31,49 +74,74 @@ class LatentLayer(DynamicLayer):
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
         return keys.squeeze(1), values.squeeze(1), self.positions
 
+    def packed_groups(self, groups: int) -> tuple[QuantLatent, QuantLatent]:
+        """Packed mode, equal ranks: the stored latents as kernel-layout views [B, G, T, C]."""
+        from kernels.layout import as_groups
+        out = []
+        for data, sz, ranks in ((self.keys, self.key_sz, self.ranks[0]),
+                                (self.values, self.value_sz, self.ranks[1])):
+            scale, zero = sz[..., 0].transpose(1, 2), sz[..., 1].transpose(1, 2)   # (B, G, T)
+            out.append(QuantLatent(as_groups(data, groups), scale, zero, self.bits, ranks[0]))
+        return out[0], out[1]
+
+    def _extras(self):
+        return ("positions", "key_sz", "value_sz")
+
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if self.positions is not None and self.keys is not None:
-            self.positions = self.positions[:, : self.keys.shape[-2]]
+        if self.keys is not None:
+            for name in self._extras():
+                if getattr(self, name) is not None:
+                    setattr(self, name, getattr(self, name)[:, : self.keys.shape[-2]])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.positions is not None:
-            self.positions = self.positions.repeat_interleave(repeats, dim=0)
+        for name in self._extras():
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.positions is not None:
-            self.positions = self.positions[indices]
+        for name in self._extras():
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[indices])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.positions is not None:
-            self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+        for name in self._extras():
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
 
     def nbytes(self) -> dict:
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
-        return {"latents": size(self.keys) + size(self.values), "positions": size(self.positions)}
+        return {"latents": size(self.keys) + size(self.values),
+                "scales": size(self.key_sz) + size(self.value_sz), "positions": size(self.positions)}
 
 
 class LatentCache(Cache):
-    """One LatentLayer per decoder layer of `model` (or `num_layers`)."""
+    """One LatentLayer per decoder layer of `model` (or `num_layers`); `bits` in (2, 4, 8)
+    stores the latents quantised (per token and group, packed), None keeps them as computed."""
 
-    def __init__(self, model=None, num_layers: int | None = None):
+    def __init__(self, model=None, num_layers: int | None = None, bits: int | None = None):
+        if bits is not None and bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
         n = num_layers if num_layers is not None else model.config.num_hidden_layers
-        super().__init__(layers=[LatentLayer() for _ in range(n)])
+        super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
+        self.bits = bits
 
-    def update_latent(self, hk, hv, positions, layer_idx: int):
-        return self.layers[layer_idx].update_latent(hk, hv, positions)
+    def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None):
+        return self.layers[layer_idx].update_latent(hk, hv, positions, ranks)
 
     def nbytes(self) -> dict:
-        """Bytes really held: latents and the int32 positions, summed over layers."""
-        totals = {"latents": 0, "positions": 0}
+        """Bytes really held: latents (packed in quantised mode), their scales and zero points,
+        and the int32 positions, summed over layers."""
+        totals = {"latents": 0, "scales": 0, "positions": 0}
         for layer in self.layers:
             for key, value in layer.nbytes().items():
                 totals[key] += value
-        totals["total"] = totals["latents"] + totals["positions"]
+        totals["total"] = totals["latents"] + totals["scales"] + totals["positions"]
         return totals
 
 
