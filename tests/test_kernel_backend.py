@@ -178,3 +178,19 @@ def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monk
 def test_latent_cache_rejects_an_unsupported_width():
     with pytest.raises(ValueError, match="bits=3 is not one of"):
         palu.LatentCache(num_layers=1, bits=3)
+
+
+def test_packed_cache_follows_beam_search_and_crop():
+    model = _tiny_llama(2)
+    palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=2, multiple=16,
+                  progress=False)
+    _set_backend(model, "torch")
+    ids = torch.randint(0, 97, (1, 6))
+    cache = palu.LatentCache(model, bits=8)
+    out = model.generate(ids, num_beams=2, max_new_tokens=3, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, 9)
+    layer = cache.layers[0]
+    T = layer.get_seq_length()
+    assert layer.key_sz.shape[:2] == layer.positions.shape == (layer.keys.shape[0], T)
+    cache.crop(-2)
+    assert layer.get_seq_length() == T - 2 == layer.key_sz.shape[1] == layer.positions.shape[1]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
+from kernels.layout import SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent, quantize_latent
 
 
 def _quantize_groups(h, ranks, bits):
@@ -76,7 +76,6 @@ class LatentLayer(DynamicLayer):
 
     def packed_groups(self, groups: int) -> tuple[QuantLatent, QuantLatent]:
         """Packed mode, equal ranks: the stored latents as kernel-layout views [B, G, T, C]."""
-        from kernels.layout import as_groups
         out = []
         for data, sz, ranks in ((self.keys, self.key_sz, self.ranks[0]),
                                 (self.values, self.value_sz, self.ranks[1])):
@@ -84,34 +83,28 @@ class LatentLayer(DynamicLayer):
             out.append(QuantLatent(as_groups(data, groups), scale, zero, self.bits, ranks[0]))
         return out[0], out[1]
 
-    def _extras(self):
-        return ("positions", "key_sz", "value_sz")
+    def _map_extras(self, fn) -> None:
+        """Apply `fn` to the per-token tensors kept beside keys/values (batch first, then T)."""
+        for name in ("positions", "key_sz", "value_sz"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         if self.keys is not None:
-            for name in self._extras():
-                if getattr(self, name) is not None:
-                    setattr(self, name, getattr(self, name)[:, : self.keys.shape[-2]])
+            self._map_extras(lambda t: t[:, : self.keys.shape[-2]])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        for name in self._extras():
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+        self._map_extras(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        for name in self._extras():
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name)[indices])
+        self._map_extras(lambda t: t[indices])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        for name in self._extras():
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+        self._map_extras(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def nbytes(self) -> dict:
         def size(t):
