@@ -43,7 +43,8 @@ def latency_markdown(frame: pd.DataFrame, ceilings: dict) -> str:
             "(per-token groups, not KIVI's per-channel keys) through our latent kernel. Kernel "
             "times are CUDA-graph replays; Palu rows are the attention core only (the fused o_proj "
             "is not included). Full columns (bytes, FLOPs, TB/s, TFLOP/s, roofline) in latency.csv.\n\n"
-            f"{head.to_markdown(floatfmt='.1f')}\n\n## Configurations the kernel rejects\n\n"
+            f"{head.reset_index().to_markdown(index=False, floatfmt='.1f')}\n\n"
+            "## Configurations the kernel rejects\n\n"
             f"{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
 
 
