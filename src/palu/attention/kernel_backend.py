@@ -17,7 +17,7 @@ import os
 import torch
 
 
-def can_use_kernel(attn, x, mask, hk_all, bits: int | None = None) -> str | None:
+def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
     """None if the kernel can run this step, else the reason it cannot (`bits`: the cache's
     packed width, None for unquantised latents)."""
     if x.shape[1] != 1:
@@ -45,7 +45,8 @@ def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = No
 
     `contiguous`: whether every row's cache positions run p0, p0 + 1, ... (LatentCache tracks
     it as tokens arrive); None checks the positions here (O(T), one host sync). `packed`: the
-    quantised cache's (keys, values) as kernel-layout QuantLatents, read instead of the latents.
+    quantised cache's (keys, values) as kernel-layout QuantLatents, read instead of the latents
+    (hk_all / hv_all are then None).
     """
     from kernels.layout import as_groups
     from kernels.palu_decode import palu_decode

@@ -106,8 +106,11 @@ class PaluAttention(nn.Module):
         B, T, _ = hidden_states.shape
         x = hidden_states
         hk, hv = F.linear(x, self.A_k), F.linear(x, self.A_v)          # (B, T, R)
+        # A packed (quantised) cache returns no latents: the kernels read it packed, and the torch
+        # path below dequantises it only if it runs.
         hk_all, hv_all, kpos = self._cache(hk, hv, past_key_values, position_ids, T, x.device)
-        S = hk_all.shape[1]
+        layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, LatentCache) else None
+        S = kpos.shape[-1]
         mask = self._mask(attention_mask, T, S, x.device)
         q = None
         if self.geom.rope or not self.fuse:
@@ -120,15 +123,15 @@ class PaluAttention(nn.Module):
                 kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         if self.fuse and self.backend != "torch" and past_key_values is not None:
             from .kernel_backend import can_use_kernel, kernel_decode
-            layer = (past_key_values.layers[self.layer_idx]
-                     if isinstance(past_key_values, LatentCache) else None)
             bits = layer.bits if layer is not None else None
-            if can_use_kernel(self, x, mask, hk_all, bits) is None:
+            if can_use_kernel(self, x, mask, bits) is None:
                 packed = layer.packed_groups(self.n_groups) if bits else None
                 out = kernel_decode(self, x, q, hk_all, hv_all, kpos,
                                     layer.contiguous if layer is not None else None, packed)
                 if out is not None:
                     return out, None
+        if hk_all is None:
+            hk_all, hv_all = layer.latents(x.dtype)
         outs, heads = [], []
         k_off = v_off = 0
         for g in range(self.n_groups):
@@ -182,7 +185,7 @@ class PaluAttention(nn.Module):
             position_ids = torch.arange(past, past + T, device=device)[None]
         if isinstance(cache, LatentCache):
             return cache.update_latent(hk, hv, position_ids, self.layer_idx,
-                                       ranks=(self.ranks_k, self.ranks_v))
+                                       ranks=(self.ranks_k, self.ranks_v), dequantize=False)
         if cache is not None:  # any other Cache stores the latents as one pseudo-head
             k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
             S = k.shape[-2]

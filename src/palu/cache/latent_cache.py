@@ -51,28 +51,36 @@ class LatentLayer(DynamicLayer):
         # step checks its new tokens only, not the whole cache.
         self.contiguous = True
 
-    def update_latent(self, hk, hv, positions, ranks=None):
-        """Append latents (B, T, R) and positions (B, T); return everything stored so far
-        (dequantised in packed mode; `ranks` = (per-group key ranks, value ranks), default one
-        group each)."""
+    def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True):
+        """Append latents (B, T, R) and positions (B, T); return everything stored so far.
+
+        Packed mode: `ranks` = (per-group key ranks, value ranks), default one group each; the
+        latents come back dequantised, or as (None, None) with `dequantize=False` (a caller
+        whose kernels read them packed, `packed_groups`, fetches `latents()` only if needed).
+        """
         if self.bits is None:
             keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
+            keys, values = keys.squeeze(1), values.squeeze(1)
         else:
             self.ranks = ranks or ([hk.shape[-1]], [hv.shape[-1]])
             (kd, ksz), (vd, vsz) = (_quantize_groups(hk, self.ranks[0], self.bits),
                                     _quantize_groups(hv, self.ranks[1], self.bits))
-            keys, values = self.update(kd, vd)
+            self.update(kd, vd)
             self.key_sz = ksz if self.key_sz is None else torch.cat([self.key_sz, ksz], 1)
             self.value_sz = vsz if self.value_sz is None else torch.cat([self.value_sz, vsz], 1)
-            keys = _dequantize_groups(keys, self.key_sz, self.ranks[0], self.bits, hk.dtype)[:, None]
-            values = _dequantize_groups(values, self.value_sz, self.ranks[1], self.bits, hv.dtype)[:, None]
+            keys, values = self.latents(hk.dtype) if dequantize else (None, None)
         positions = positions.to(torch.int32).expand(hk.shape[0], -1)
         if self.contiguous:
             start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
             steps = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
             self.contiguous = bool((positions == start + steps).all())
         self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
-        return keys.squeeze(1), values.squeeze(1), self.positions
+        return keys, values, self.positions
+
+    def latents(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed mode: all stored key and value latents dequantised, (B, T, R) each."""
+        return (_dequantize_groups(self.keys, self.key_sz, self.ranks[0], self.bits, dtype),
+                _dequantize_groups(self.values, self.value_sz, self.ranks[1], self.bits, dtype))
 
     def packed_groups(self, groups: int) -> tuple[QuantLatent, QuantLatent]:
         """Packed mode, equal ranks: the stored latents as kernel-layout views [B, G, T, C]."""
@@ -124,8 +132,8 @@ class LatentCache(Cache):
         super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
         self.bits = bits
 
-    def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None):
-        return self.layers[layer_idx].update_latent(hk, hv, positions, ranks)
+    def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):
+        return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize)
 
     def nbytes(self) -> dict:
         """Bytes really held: latents (packed in quantised mode), their scales and zero points,
