@@ -86,6 +86,66 @@ def _unpack_part(raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     return x
 
 
+# Field k of packed bytes as signed 8-bit integers, four bytes per 32-bit word (the operand
+# layout of int8 tensor-core dots): a shift and an AND per word. 8-bit latents (0..255) are
+# stored shifted by -128 (XOR of the top bit) to fit int8; callers add 128 to the zero point.
+_INT8_8_0: tl.constexpr = tl.constexpr("xor.b32 $0, $1, 0x80808080;")
+_INT8_4_0: tl.constexpr = tl.constexpr("and.b32 $0, $1, 0x0f0f0f0f;")
+_INT8_4_1: tl.constexpr = tl.constexpr("{ .reg .b32 a; shr.b32 a, $1, 4; and.b32 $0, a, 0x0f0f0f0f; }")
+_INT8_2_0: tl.constexpr = tl.constexpr("and.b32 $0, $1, 0x03030303;")
+_INT8_2_1: tl.constexpr = tl.constexpr("{ .reg .b32 a; shr.b32 a, $1, 2; and.b32 $0, a, 0x03030303; }")
+_INT8_2_2: tl.constexpr = tl.constexpr("{ .reg .b32 a; shr.b32 a, $1, 4; and.b32 $0, a, 0x03030303; }")
+_INT8_2_3: tl.constexpr = tl.constexpr("{ .reg .b32 a; shr.b32 a, $1, 6; and.b32 $0, a, 0x03030303; }")
+
+
+@triton.jit
+def _field_int8(raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Field k of packed latents as int8: n for 2/4-bit, n - 128 for 8-bit latents."""
+    if ASM:
+        if BITS == 8:
+            code: tl.constexpr = _INT8_8_0
+        elif BITS == 4:
+            code: tl.constexpr = _INT8_4_0 if k == 0 else _INT8_4_1
+        elif k == 0:
+            code: tl.constexpr = _INT8_2_0
+        elif k == 1:
+            code: tl.constexpr = _INT8_2_1
+        elif k == 2:
+            code: tl.constexpr = _INT8_2_2
+        else:
+            code: tl.constexpr = _INT8_2_3
+        x = tl.inline_asm_elementwise(code, "=r,r", [raw], dtype=tl.int8, is_pure=True, pack=4)
+    elif BITS == 8:
+        x = (raw.to(tl.int32) - 128).to(tl.int8)
+    else:
+        x = ((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.int8)
+    return x
+
+
+@triton.jit
+def _query_cols(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.constexpr):
+    """Query columns of packed part k (RKP of them, zero-padded to the power of two PAD), fp32."""
+    c = tl.arange(0, PAD)
+    ok = row_ok[:, None] & (c < RKP)[None, :]
+    return tl.load(q_rows + k * RKP + c[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _query_int8(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.constexpr, inv_sq):
+    """Query columns of part k as two int8 digits (q ~ sq (hi + lo / 256)): an int8 dot per
+    digit gives the query 16 bits of precision relative to its row maximum."""
+    x = _query_cols(q_rows, row_ok, k, RKP, PAD) * inv_sq[:, None]
+    hi = tl.floor(x + 0.5)
+    lo = tl.minimum(tl.maximum(tl.floor((x - hi) * 256.0 + 0.5), -127.0), 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), tl.sum(hi, 1) + tl.sum(lo, 1) * (1.0 / 256.0)
+
+
+@triton.jit
+def _int8_scores(qh, ql, raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, ih, il):
+    n = tl.trans(_field_int8(raw, k, BITS, ASM))
+    return ih + tl.dot(qh, n), il + tl.dot(ql, n)
+
+
 @triton.jit
 def _token_scale_zero(SCALE, ZERO, offset, offs_t, stride_t, t_ok):
     """Per-token scale and zero point of a tile of quantised latents, float32."""
@@ -349,11 +409,10 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
 
 
 @triton.jit
-def _query_part(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, BITS: tl.constexpr):
+def _query_part(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.constexpr, BITS: tl.constexpr):
     """Query columns of packed part k, divided by the part's weight 2^(k BITS): exact down to
     |q| = 2^(k BITS - 14); below, fp16 subnormals round q by less than 2^(k BITS - 25)."""
-    c = tl.arange(0, RKP)
-    q = tl.load(q_rows + k * RKP + c[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = _query_cols(q_rows, row_ok, k, RKP, PAD)
     return (q * (1.0 / (1 << (k * BITS)))).to(tl.float16)
 
 
@@ -362,14 +421,19 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_ksb, s_ksg, s_kst,
                   s_vb, s_vg, s_vt, s_vsb, s_vsg, s_vst,
                   ROWS: tl.constexpr, M: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
+                  RKPAD: tl.constexpr, RVPAD: tl.constexpr,
                   BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr,
-                  ASM: tl.constexpr):
+                  ASM: tl.constexpr, INT_KEYS: tl.constexpr):
     """Non-RoPE models, one pass: scores, online softmax and value accumulation per tile, so the
     scores never leave the chip. One program per (sequence, group, split); whole ranks in
     registers (the host takes this path only for small ranks).
 
     Packed part k is read as n 2^(k bits) (`_unpack_part`): the query part k comes pre-divided
-    by 2^(k bits) and the value part k's accumulator is divided at the end."""
+    by 2^(k bits) and the value part k's accumulator is divided at the end. Stored widths that
+    are not powers of two (e.g. the K25/V75 split's value rank 96 s) are zero-padded to RKPAD /
+    RVPAD columns in registers (tl.arange needs powers of two); the pad is never loaded. INT_KEYS: packed
+    keys go through int8 tensor-core dots instead (`_field_int8`: a shift and an AND per four
+    values instead of fp16 conversion; the query as two int8 digits per row, `_query_int8`)."""
     pid_g, pid_s = tl.program_id(0), tl.program_id(1)
     b, g = pid_g // G, pid_g % G
     PK: tl.constexpr = 1 if BITS_K == 16 else 8 // BITS_K
@@ -378,41 +442,73 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     RVP: tl.constexpr = RV // PV
     rows = tl.arange(0, M)
     row_ok = rows < ROWS
-    ck, cv = tl.arange(0, RKP), tl.arange(0, RVP)
+    ck, cv = tl.arange(0, RKPAD), tl.arange(0, RVPAD)
+    ck_ok, cv_ok = (ck < RKP)[None, :], (cv < RVP)[None, :]   # all true unless padded
     length = tl.load(LENS + b)
     t0 = pid_s * tokens_per_split
     t_end = tl.minimum(t0 + tokens_per_split, length)
     q_rows = Q + b * s_qb + (g * ROWS + rows)[:, None] * s_qh
     kb = 16 if BITS_K == 16 else BITS_K
-    q0 = _query_part(q_rows, row_ok, 0, RKP, kb)
+    if INT_KEYS:
+        qmax = tl.max(tl.abs(_query_cols(q_rows, row_ok, 0, RKP, RKPAD)), 1)
+        for k in tl.static_range(1, PK):
+            qmax = tl.maximum(qmax, tl.max(tl.abs(_query_cols(q_rows, row_ok, k, RKP, RKPAD)), 1))
+        sq = qmax * (1.0 / 127.0)
+        inv_sq = tl.where(qmax > 0, 127.0 / tl.maximum(qmax, 1e-30), 0.0)
+        qh0, ql0, qs = _query_int8(q_rows, row_ok, 0, RKP, RKPAD, inv_sq)
+        qh1, ql1, qh2, ql2, qh3, ql3 = qh0, ql0, qh0, ql0, qh0, ql0
+        if PK > 1:
+            qh1, ql1, qs1 = _query_int8(q_rows, row_ok, 1, RKP, RKPAD, inv_sq)
+            qs += qs1
+        if PK > 2:
+            qh2, ql2, qs2 = _query_int8(q_rows, row_ok, 2, RKP, RKPAD, inv_sq)
+            qh3, ql3, qs3 = _query_int8(q_rows, row_ok, 3, RKP, RKPAD, inv_sq)
+            qs += qs2 + qs3
+    q0 = _query_part(q_rows, row_ok, 0, RKP, RKPAD, kb)
     q1 = q0
     q2 = q0
     q3 = q0
     if PK > 1:
-        q1 = _query_part(q_rows, row_ok, 1, RKP, kb)
+        q1 = _query_part(q_rows, row_ok, 1, RKP, RKPAD, kb)
     if PK > 2:
-        q2 = _query_part(q_rows, row_ok, 2, RKP, kb)
-        q3 = _query_part(q_rows, row_ok, 3, RKP, kb)
+        q2 = _query_part(q_rows, row_ok, 2, RKP, RKPAD, kb)
+        q3 = _query_part(q_rows, row_ok, 3, RKP, RKPAD, kb)
     qsum = tl.sum(q0.to(tl.float32), 1)      # sum(q), for the zero point
     if PK > 1:
         qsum += tl.sum(q1.to(tl.float32), 1) * (1 << BITS_K)
     if PK > 2:
         qsum += (tl.sum(q2.to(tl.float32), 1) * (1 << 2 * BITS_K)
                  + tl.sum(q3.to(tl.float32), 1) * (1 << 3 * BITS_K))
+    if INT_KEYS:   # sum of the query the int8 dots see, so the zero point cancels exactly
+        qsum = qs * sq
     m_i = tl.full([M], -float("inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     wz = tl.zeros([M], tl.float32)      # sum_t p_t s_t z_t (value zero points)
-    acc0 = tl.zeros([M, RVP], tl.float32)
-    acc1 = tl.zeros([M, RVP], tl.float32)
-    acc2 = tl.zeros([M, RVP], tl.float32)
-    acc3 = tl.zeros([M, RVP], tl.float32)
+    acc0 = tl.zeros([M, RVPAD], tl.float32)
+    acc1 = tl.zeros([M, RVPAD], tl.float32)
+    acc2 = tl.zeros([M, RVPAD], tl.float32)
+    acc3 = tl.zeros([M, RVPAD], tl.float32)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end
         rk = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + ck[None, :],
-                     mask=t_ok[:, None], other=0)
+                     mask=t_ok[:, None] & ck_ok, other=0)
         if BITS_K == 16:
             s = tl.dot(q0, tl.trans(rk.to(tl.float16)))
+        elif INT_KEYS:
+            ih = tl.zeros([M, BLOCK_T], tl.int32)
+            il = tl.zeros([M, BLOCK_T], tl.int32)
+            ih, il = _int8_scores(qh0, ql0, rk, 0, BITS_K, ASM, ih, il)
+            if PK > 1:
+                ih, il = _int8_scores(qh1, ql1, rk, 1, BITS_K, ASM, ih, il)
+            if PK > 2:
+                ih, il = _int8_scores(qh2, ql2, rk, 2, BITS_K, ASM, ih, il)
+                ih, il = _int8_scores(qh3, ql3, rk, 3, BITS_K, ASM, ih, il)
+            s = (ih.to(tl.float32) + il.to(tl.float32) * (1.0 / 256.0)) * sq[:, None]
+            sc, zp = _token_scale_zero(HKS, HKZ, b * s_ksb + g * s_ksg, offs_t, s_kst, t_ok)
+            if BITS_K == 8:
+                zp = zp - 128.0      # the fields are n - 128
+            s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         else:
             s = tl.dot(q0, tl.trans(_unpack_part(rk, 0, BITS_K, ASM)))
             if PK > 1:
@@ -425,7 +521,7 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
         s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
         m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
         rv = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cv[None, :],
-                     mask=t_ok[:, None], other=0)
+                     mask=t_ok[:, None] & cv_ok, other=0)
         if BITS_V == 16:
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), rv.to(tl.float16))
         else:
@@ -443,12 +539,13 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     out = ACC + (base + rows)[:, None] * RV + cv[None, :]
     # part k: acc_k / 2^(k bits) = sum_t p_t s_t n_t; minus the zero points
     vb = 16 if BITS_V == 16 else BITS_V
-    tl.store(out, acc0 - wz[:, None], mask=row_ok[:, None])
+    ok = row_ok[:, None] & cv_ok
+    tl.store(out, acc0 - wz[:, None], mask=ok)
     if PV > 1:
-        tl.store(out + RVP, acc1 * (1.0 / (1 << vb)) - wz[:, None], mask=row_ok[:, None])
+        tl.store(out + RVP, acc1 * (1.0 / (1 << vb)) - wz[:, None], mask=ok)
     if PV > 2:
-        tl.store(out + 2 * RVP, acc2 * (1.0 / (1 << 2 * vb)) - wz[:, None], mask=row_ok[:, None])
-        tl.store(out + 3 * RVP, acc3 * (1.0 / (1 << 3 * vb)) - wz[:, None], mask=row_ok[:, None])
+        tl.store(out + 2 * RVP, acc2 * (1.0 / (1 << 2 * vb)) - wz[:, None], mask=ok)
+        tl.store(out + 3 * RVP, acc3 * (1.0 / (1 << 3 * vb)) - wz[:, None], mask=ok)
     tl.store(MS + base + rows, m_i, mask=row_ok)
     tl.store(LS + base + rows, l_i, mask=row_ok)
 
@@ -525,40 +622,85 @@ def _pow2_block(columns: int, cap: int) -> int:
     return b
 
 
+def _stored_pad(r: int, bits: int) -> int:
+    """Stored columns of rank r, rounded up to a power of two (the one-pass kernel's tiles)."""
+    return triton.next_power_of_2(r // (1 if bits == 16 else 8 // bits))
+
+
 def _fused_unfit(rope, rk, rv, kbits, vbits, M) -> str | None:
     """Why the one-pass kernel cannot serve a layer (None if it can)."""
     if rope:
         return "RoPE keys are rebuilt by the two-pass kernels"
-    for r, bits, name in ((rk, kbits, "key"), (rv, vbits, "value")):
-        cols = r // (1 if bits == 16 else 8 // bits)
-        if cols & (cols - 1):
-            return f"{name} rank {r} gives {cols} stored columns, not a power of two"
-    if rk > 512 or M * rv > 16 * 512:   # whole ranks live in registers
+    rk_pad = _stored_pad(rk, kbits) * (1 if kbits == 16 else 8 // kbits)
+    rv_pad = _stored_pad(rv, vbits) * (1 if vbits == 16 else 8 // vbits)
+    if rk_pad > 512 or M * rv_pad > 16 * 512:   # whole ranks live in registers
         return f"ranks (k {rk}, v {rv}) x {M} rows too large for registers"
     return None
 
 
+_SLOTS: dict = {}   # (device, kernel specialisation) -> resident programs per GPU
+
+
+def programs_per_sm(regs: int, warps: int, shared: int, sm_regs: int = 65536,
+                    sm_shared: int = 233472, sm_threads: int = 2048) -> int:
+    """Blocks of a kernel one SM holds at once, as the occupancy calculator counts them:
+    registers are allocated per warp in units of 256, each block reserves 1 KB of shared memory
+    besides its own, at most 32 blocks (defaults: an H100/H200 SM)."""
+    regs_per_warp = triton.cdiv(max(regs, 1) * 32, 256) * 256
+    by_regs = sm_regs // (regs_per_warp * warps)
+    by_smem = sm_shared // (shared + 1024) if shared else 32
+    return max(1, min(by_regs, by_smem, sm_threads // (32 * warps), 32))
+
+
+def _resident_programs(compiled, dev) -> int:
+    """How many programs of a compiled kernel the GPU holds at once."""
+    if getattr(compiled, "n_regs", None) is None:
+        compiled._init_handles()   # loads the binary; triton sets n_regs then (not at compile)
+    p = torch.cuda.get_device_properties(dev)
+    return p.multi_processor_count * programs_per_sm(
+        compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared,
+        p.regs_per_multiprocessor, p.shared_memory_per_multiprocessor, p.max_threads_per_multi_processor)
+
+
 def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,
-               B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits, maxnreg=None):
+               B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits, maxnreg=None,
+               int_keys=False):
     dev = kdata.device
-    if splits is None:
+    auto = splits is None
+    if auto:   # provisional; on a GPU replaced by one wave of resident programs below
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
-    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-    splits = triton.cdiv(T, per_split)
+    acc = ms = ls = torch.empty(1, device=dev, dtype=torch.float32)   # real ones below
+
+    def args(splits):
+        per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+        splits = triton.cdiv(T, per_split)
+        ks = kscale if kbits != 16 else kdata
+        vs = vscale if vbits != 16 else vdata
+        return splits, (
+            q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
+            scale * LOG2E, q.stride(0), q.stride(1),
+            kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+            vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2))
+
+    meta = dict(ROWS=rows, M=M, RK=rk, RV=rv, RKPAD=_stored_pad(rk, kbits), RVPAD=_stored_pad(rv, vbits),
+                BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
+                ASM=_use_asm(dev), INT_KEYS=int_keys, num_stages=stages, num_warps=warps,
+                **({"maxnreg": maxnreg} if maxnreg else {}))
+    if auto and _use_asm(dev):
+        # One wave: as many splits as the GPU holds programs at once. Programs then start
+        # together and stream equal shares; more splits than slots leave a partial last wave
+        # (measured: group 8 int4 at 64K, 264 splits over 2 waves 96 us, 64 splits 75 us).
+        key = (dev, tuple(sorted((k, str(v)) for k, v in meta.items())))
+        if key not in _SLOTS:
+            _SLOTS[key] = _resident_programs(_fused_norope.warmup(*args(splits)[1], grid=(1,), **meta), dev)
+        splits = max(1, min(triton.cdiv(T, 2 * block_t), _SLOTS[key] // (B * G)))
+    splits, _ = args(splits)
     acc = torch.empty(B, G, splits, M, rv, device=dev, dtype=torch.float32)
     ms = torch.empty(B, G, splits, M, device=dev, dtype=torch.float32)
     ls = torch.empty_like(ms)
-    ks = kscale if kbits != 16 else kdata
-    vs = vscale if vbits != 16 else vdata
-    _fused_norope[(B * G, splits)](
-        q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
-        scale * LOG2E, q.stride(0), q.stride(1),
-        kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        ROWS=rows, M=M, RK=rk, RV=rv, BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
-        ASM=_use_asm(dev), num_stages=stages, num_warps=warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+    splits, a = args(splits)
+    _fused_norope[(B * G, splits)](*a, **meta)
     z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
     _launch_combine(acc, ms, ls, z, splits, rows, M, rv, G)
     return z
@@ -570,7 +712,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 block_t: int = 64, block_r: int = 64, block_rv: int = 64,
                 stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int = 64, fused_stages: int | None = None,
-                fused_warps: int = 4, fused_maxnreg: int | None = None, qproj: bool | None = None,
+                fused_warps: int = 4, fused_maxnreg: int | None = None,
+                fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int = 64, qproj_stages: int = 3, qproj_warps: int = 8) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
@@ -581,7 +724,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     Non-RoPE layers with small ranks take the one-pass `_fused_norope` kernel (`fused=None`:
     whenever it can; False: always the three-launch path; True: required, else an error);
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
-    registers per thread (a tuning knob; kernels/NOTES.md).
+    registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
+    tensor-core dots (None: where measured faster, with a 128-register cap at rank 256). With `splits=None` the one-pass kernel runs one wave: as
+    many sequence splits as the GPU holds programs at once.
     """
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
     vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
@@ -615,9 +760,21 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if fused is not False and not why_not:
         if fused_stages is None:   # measured (kernels/NOTES.md, v9): 3 for packed latents
             fused_stages = 2 if kbits == vbits == 16 else 3
+        int_ok = kbits != 16 and _stored_pad(rk, kbits) >= 32   # int8 dots: k in steps of 32
+        if fused_int_keys and not int_ok:
+            raise ValueError(f"fused_int_keys needs packed keys with >= 32 stored columns "
+                             f"(key rank {rk}, {kbits}-bit)")
+        # Defaults from the v10 measurements (kernels/NOTES.md, llama2 shapes, 64K): int8 key
+        # dots pay for 2/4-bit keys of rank >= 256 (g4 int2 75 -> 64 us, g8 int2 67 -> 63) and
+        # cost for smaller ranks (K25/V75 g2 int4 127 -> 153 us); they need more registers, so
+        # at rank 256 they are capped at 128 (4 programs per SM instead of 2: 90 -> 80 us; rank
+        # 512 spills at 128: 72 -> 127 us).
+        int_keys = (kbits in (2, 4) and rk >= 256) if fused_int_keys is None else bool(fused_int_keys)
+        if fused_maxnreg is None and int_keys and max(rk, rv) <= 256:
+            fused_maxnreg = 128
         return _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths,
                           scale, B, G, T, H, rk, rv, group_size * n_rep, mv,
-                          fused_block_t, fused_stages, fused_warps, splits, fused_maxnreg)
+                          fused_block_t, fused_stages, fused_warps, splits, fused_maxnreg, int_keys)
     contig = positions is None
     if contig:
         pos0 = (torch.zeros(B, dtype=torch.int32, device=dev) if position_offset is None

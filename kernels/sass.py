@@ -26,7 +26,8 @@ _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+
 
 
 def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 64,
-                  warps: int = 4, stages: int = 3, tokens: int = 65536, arch: int = 90):
+                  warps: int = 4, stages: int = 3, tokens: int = 65536, arch: int = 90,
+                  int_keys: bool = False):
     """`_fused_norope` for one group size / width, specialised as a contiguous cache would be."""
     if not hasattr(_fused_norope, "cache_key"):
         raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; compiling needs "
@@ -34,7 +35,9 @@ def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 
     per = 1 if bits == 16 else 8 // bits
     cols = rank // per
     consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RK=rank, RV=rank,
-                  BITS_K=bits, BITS_V=bits, BLOCK_T=block_t, G=8, ASM=True, s_kst=1, s_vst=1)
+                  RKPAD=cols, RVPAD=cols,
+                  BITS_K=bits, BITS_V=bits, BLOCK_T=block_t, G=8, ASM=True, INT_KEYS=int_keys and bits != 16,
+                  s_kst=1, s_vst=1)
     divisible = dict(s_qb=32 * rank, s_qh=rank, s_kt=cols, s_kg=tokens * cols, s_kb=8 * tokens * cols,
                      s_vt=cols, s_vg=tokens * cols, s_vb=8 * tokens * cols,
                      s_ksb=8 * tokens, s_ksg=tokens, s_vsb=8 * tokens, s_vsg=tokens)
@@ -82,9 +85,9 @@ def loop_profile(kernel) -> dict:
 if __name__ == "__main__":
     print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
           "64-token tiles, 4 warps")
-    print(f"{'bits':>4} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10}  top opcodes")
-    for bits in (16, 8, 4, 2):
-        p = loop_profile(compile_fused(bits=bits, stages=2 if bits == 16 else 3))
+    print(f"{'bits':>4} {'keys':>5} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10}  top opcodes")
+    for bits, int_keys in ((16, False), (8, False), (8, True), (4, False), (4, True), (2, False), (2, True)):
+        p = loop_profile(compile_fused(bits=bits, stages=2 if bits == 16 else 3, int_keys=int_keys))
         top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(10))
-        print(f"{bits:4d} {p['registers']:5d} {p['shared']:7d} {p['loop_instructions']:6d} "
-              f"{p['loop_instructions'] * 4 / 64:10.1f}  {top}")
+        print(f"{bits:4d} {'int8' if int_keys else 'fp16':>5} {p['registers']:5d} {p['shared']:7d} "
+              f"{p['loop_instructions']:6d} {p['loop_instructions'] * 4 / 64:10.1f}  {top}")

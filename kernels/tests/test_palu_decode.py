@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kernels.layout import as_groups, dequantize_latent, quantize_latent  # noqa: E402
-from kernels.palu_decode import palu_decode  # noqa: E402
+from kernels.palu_decode import palu_decode, programs_per_sm  # noqa: E402
 from kernels.reference import latent_decode_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,15 +104,17 @@ def test_rank_that_does_not_tile_is_rejected():
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+@pytest.mark.parametrize("bits, int_keys", [(16, False), (8, False), (8, True), (4, False), (4, True),
+                                            (2, False), (2, True)])
 @pytest.mark.parametrize("B, G, s, n_rep, T", [(1, 2, 1, 2, 45), (2, 1, 2, 1, 130)])
-def test_one_pass_norope_kernel_matches_two_pass_and_reference(bits, B, G, s, n_rep, T):
-    q, hk, hv, _, _, _ = _case(B, G, s, n_rep, T, rk=64, rv=128, rope=False, seed=bits + T)
+def test_one_pass_norope_kernel_matches_two_pass_and_reference(bits, int_keys, B, G, s, n_rep, T):
+    rk = 128 if bits == 2 else 64        # int8 key dots need >= 32 stored columns
+    q, hk, hv, _, _, _ = _case(B, G, s, n_rep, T, rk=rk, rv=128, rope=False, seed=bits + T)
     if bits != 16:
         hk, hv = quantize_latent(hk, bits), quantize_latent(hv, 4)   # K and V widths may differ
     kw = dict(scale=0.2, n_rep=n_rep, group_size=s, lengths=torch.tensor([T, T - 17][:B], device=DEV))
     ref = latent_decode_reference(q, hk, hv, **kw)
-    one = palu_decode(q, hk, hv, fused=True, fused_block_t=16, splits=3, **kw)
+    one = palu_decode(q, hk, hv, fused=True, fused_block_t=16, splits=3, fused_int_keys=int_keys, **kw)
     two = palu_decode(q, hk, hv, fused=False, block_t=16, block_r=16, block_rv=16, splits=3, **kw)
     assert _rel(one, ref) < 5e-3 and _rel(two, ref) < 5e-3
     assert _rel(one, two) < 2e-3
@@ -122,12 +124,28 @@ def test_one_pass_kernel_refuses_what_it_cannot_serve():
     q, hk, hv, bk, pos, invf = _case(1, 1, 1, 1, 20, rk=32, rv=32)
     with pytest.raises(ValueError, match="RoPE keys are rebuilt"):
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf, fused=True)
-    q, hk, hv, _, _, _ = _case(1, 1, 1, 1, 20, rk=48, rv=32, rope=False)
-    with pytest.raises(ValueError, match="48 stored columns, not a power of two"):
+    q, hk, hv, _, _, _ = _case(1, 1, 1, 1, 20, rk=1024, rv=32, rope=False)
+    with pytest.raises(ValueError, match=r"ranks \(k 1024, v 32\) x 16 rows too large for registers"):
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, fused=True)
-    out = palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, block_r=16, block_rv=16)
+    out = palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, block_r=64, block_rv=16)
     ref = latent_decode_reference(q, hk, hv, scale=1.0, n_rep=1, group_size=1)
     assert _rel(out, ref) < 5e-3   # auto: falls back to the two-pass kernels
+    q, hk, hv, _, _, _ = _case(1, 1, 1, 1, 20, rk=64, rv=32, rope=False)
+    with pytest.raises(ValueError, match="fused_int_keys needs packed keys with >= 32 stored columns"):
+        palu_decode(q, quantize_latent(hk, 2), hv, scale=1.0, n_rep=1, group_size=1, fused_int_keys=True)
+
+
+@pytest.mark.parametrize("bits, int_keys", [(16, False), (4, False), (4, True), (2, True)])
+def test_one_pass_kernel_pads_ranks_that_are_not_powers_of_two(bits, int_keys):
+    # the K25/V75 split: value ranks 96 s; stored widths 96 / 48 / 48 columns in tiles of 128 / 64 / 64
+    q, hk, hv, _, _, _ = _case(2, 2, 1, 2, 50, rk=96 if bits == 16 else 192, rv=192 if bits == 2 else 96,
+                               rope=False, seed=11)
+    if bits != 16:
+        hk, hv = quantize_latent(hk, bits), quantize_latent(hv, bits)
+    kw = dict(scale=0.2, n_rep=2, group_size=1, lengths=torch.tensor([50, 33], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, fused=True, fused_block_t=16, splits=2, fused_int_keys=int_keys, **kw)
+    assert _rel(out, ref) < 2e-3
 
 
 @pytest.mark.parametrize("rope", [True, False])
@@ -188,12 +206,13 @@ def test_rope_angle_recurrence_does_not_drift_over_many_tiles(qproj):
     assert _rel(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("int_keys", [False, True])
 @pytest.mark.parametrize("bits", [8, 4, 2])
-def test_packed_part_weights_and_zero_points_are_removed_exactly(bits):
+def test_packed_part_weights_and_zero_points_are_removed_exactly(bits, int_keys):
     # Latents that are zero except one column whose size varies per token (so do the per-token
     # scales): the result then hinges on how the 2^(k bits) part weights and the zero points are
     # removed by the one-pass kernel, and a slip in either is an error of order one scale.
-    q, hk, hv, _, _, _ = _case(1, 1, 2, 1, 33, rk=64, rv=64, rope=False, seed=bits)
+    q, hk, hv, _, _, _ = _case(1, 1, 2, 1, 33, rk=128, rv=64, rope=False, seed=bits)
     size = torch.rand(hk.shape[:-1], generator=torch.Generator().manual_seed(1)).to(DEV) + 0.5
     hk = torch.zeros_like(hk)
     hv = torch.zeros_like(hv)
@@ -203,7 +222,7 @@ def test_packed_part_weights_and_zero_points_are_removed_exactly(bits):
     qk, qv = quantize_latent(hk, bits), quantize_latent(hv, bits)
     kw = dict(scale=0.3, n_rep=1, group_size=2)
     ref = latent_decode_reference(q, qk, qv, **kw)
-    out = palu_decode(q, qk, qv, fused=True, fused_block_t=16, splits=2, **kw)
+    out = palu_decode(q, qk, qv, fused=True, fused_block_t=16, splits=2, fused_int_keys=int_keys, **kw)
     assert _rel(out, ref) < 1e-3
 
 
@@ -234,3 +253,13 @@ def test_tokens_whose_latents_share_a_sign_are_not_saturated(bits):
     back = dequantize_latent(quantize_latent(h, bits), torch.float32)
     step = torch.maximum((h.amax(-1) - h.amin(-1)) / (2 ** bits - 1), h.amin(-1).abs() / 1024)
     assert ((back - h).abs() <= step[..., None] * 0.5 + 2e-3).all()   # + fp16 scale rounding
+
+
+def test_programs_per_sm_counts_the_scarcest_resource():
+    # the one-pass kernel's measured shapes (kernels.sass): 168 registers x 4 warps -> 3 blocks
+    # by registers; 143 registers, 74 KB shared memory -> 3 by shared memory; 128 -> 4
+    assert programs_per_sm(168, 4, 43264) == 3
+    assert programs_per_sm(143, 4, 75776) == 3
+    assert programs_per_sm(128, 4, 26880) == 4
+    assert programs_per_sm(32, 4, 0) == 16            # threads: 2048 / 128
+    assert programs_per_sm(255, 8, 240000) == 1       # never zero: a program always runs

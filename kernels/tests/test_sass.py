@@ -15,7 +15,9 @@ def test_one_pass_kernel_with_inline_ptx_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-m", "kernels.sass"], capture_output=True, text=True,
                          env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = {int(line.split()[0]): line for line in out.stdout.splitlines()[2:]}
-    assert set(rows) == {16, 8, 4, 2}
+    rows = {(int(line.split()[0]), line.split()[1]): line for line in out.stdout.splitlines()[2:]}
+    assert set(rows) == {(16, "fp16"), (8, "fp16"), (8, "int8"), (4, "fp16"), (4, "int8"),
+                         (2, "fp16"), (2, "int8")}
     for bits in (8, 4, 2):   # the asm's byte permutes and the tensor-core dots are in the loop
-        assert "PRMT" in rows[bits] and "HMMA" in rows[bits]
+        assert "PRMT" in rows[bits, "fp16"] and "HMMA" in rows[bits, "fp16"]
+        assert "IMMA" in rows[bits, "int8"]      # int8 key dots (fused_int_keys)
