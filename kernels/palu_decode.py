@@ -662,45 +662,48 @@ def _resident_programs(compiled, dev) -> int:
         p.regs_per_multiprocessor, p.shared_memory_per_multiprocessor, p.max_threads_per_multi_processor)
 
 
+def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
+    """(tokens per split, splits): whole tiles per split, no empty split."""
+    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
+    return per_split, triton.cdiv(T, per_split)
+
+
 def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,
                B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits, maxnreg=None,
                int_keys=False):
     dev = kdata.device
-    auto = splits is None
-    if auto:   # provisional; on a GPU replaced by one wave of resident programs below
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
-    acc = ms = ls = torch.empty(1, device=dev, dtype=torch.float32)   # real ones below
+    ks = kscale if kbits != 16 else kdata
+    vs = vscale if vbits != 16 else vdata
 
-    def args(splits):
-        per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-        splits = triton.cdiv(T, per_split)
-        ks = kscale if kbits != 16 else kdata
-        vs = vscale if vbits != 16 else vdata
-        return splits, (
-            q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
-            scale * LOG2E, q.stride(0), q.stride(1),
-            kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-            vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2))
+    def launch_args(acc, ms, ls, per_split, splits):
+        return (q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
+                scale * LOG2E, q.stride(0), q.stride(1),
+                kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+                vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2))
 
     meta = dict(ROWS=rows, M=M, RK=rk, RV=rv, RKPAD=_stored_pad(rk, kbits), RVPAD=_stored_pad(rv, vbits),
                 BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
                 ASM=_use_asm(dev), INT_KEYS=int_keys, num_stages=stages, num_warps=warps,
                 **({"maxnreg": maxnreg} if maxnreg else {}))
-    if auto and _use_asm(dev):
-        # One wave: as many splits as the GPU holds programs at once. Programs then start
-        # together and stream equal shares; more splits than slots leave a partial last wave
-        # (measured: group 8 int4 at 64K, 264 splits over 2 waves 96 us, 64 splits 75 us).
-        key = (dev, tuple(sorted((k, str(v)) for k, v in meta.items())))
-        if key not in _SLOTS:
-            _SLOTS[key] = _resident_programs(_fused_norope.warmup(*args(splits)[1], grid=(1,), **meta), dev)
-        splits = max(1, min(triton.cdiv(T, 2 * block_t), _SLOTS[key] // (B * G)))
-    splits, _ = args(splits)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
+        if _use_asm(dev):
+            # One wave: as many splits as the GPU holds programs at once, so all start together
+            # and stream equal shares; more leave a partial last wave (measured, NOTES v10:
+            # group 8 int4 at 64K, 264 splits in 2 waves 96 us, 64 splits in one 75 us).
+            key = (dev, tuple(sorted((k, str(v)) for k, v in meta.items())))
+            if key not in _SLOTS:   # compile (no launch) to read registers and shared memory
+                dummy = torch.empty(1, device=dev, dtype=torch.float32)
+                compiled = _fused_norope.warmup(*launch_args(dummy, dummy, dummy, *_even_splits(T, splits, block_t)),
+                                                grid=(1,), **meta)
+                _SLOTS[key] = _resident_programs(compiled, dev)
+            splits = max(1, min(triton.cdiv(T, 2 * block_t), _SLOTS[key] // (B * G)))
+    per_split, splits = _even_splits(T, splits, block_t)
     acc = torch.empty(B, G, splits, M, rv, device=dev, dtype=torch.float32)
     ms = torch.empty(B, G, splits, M, device=dev, dtype=torch.float32)
     ls = torch.empty_like(ms)
-    splits, a = args(splits)
-    _fused_norope[(B * G, splits)](*a, **meta)
+    _fused_norope[(B * G, splits)](*launch_args(acc, ms, ls, per_split, splits), **meta)
     z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
     _launch_combine(acc, ms, ls, z, splits, rows, M, rv, G)
     return z
@@ -796,8 +799,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
-    per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
-    splits = triton.cdiv(T, per_split)
+    per_split, splits = _even_splits(T, splits, block_t)
     M = max(16, triton.next_power_of_2(rows))
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata

@@ -263,3 +263,34 @@ def test_programs_per_sm_counts_the_scarcest_resource():
     assert programs_per_sm(128, 4, 26880) == 4
     assert programs_per_sm(32, 4, 0) == 16            # threads: 2048 / 128
     assert programs_per_sm(255, 8, 240000) == 1       # never zero: a program always runs
+
+
+def test_one_pass_kernel_launches_one_wave_of_splits(monkeypatch):
+    # The GPU-only branch of the split choice, with the compiler and the device faked: a kernel
+    # that needs 168 registers x 4 warps fits 3 programs per SM, 132 SMs hold 396, so 8 groups
+    # get 49 splits (one wave), not the ~132 of the device-independent fallback.
+    import types
+    import kernels.palu_decode as pd
+    launches, warmups = [], []
+
+    class FakeKernel:
+        def warmup(self, *args, grid, **meta):
+            warmups.append(meta)
+            return types.SimpleNamespace(n_regs=168, metadata=types.SimpleNamespace(num_warps=4, shared=43264))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append((grid, args[11], args[12]))
+
+    props = types.SimpleNamespace(multi_processor_count=132, regs_per_multiprocessor=65536,
+                                  shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(pd, "_fused_norope", FakeKernel())
+    monkeypatch.setattr(pd, "_use_asm", lambda dev: True)
+    monkeypatch.setattr(pd, "_launch_combine", lambda *a: None)
+    monkeypatch.setattr(pd, "_SLOTS", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    q, hk, hv, _, _, _ = _case(1, 8, 4, 1, 65536, rk=32, rv=32, D=32, rope=False)
+    for _ in range(2):
+        pd.palu_decode(q, hk, hv, scale=0.1, n_rep=1, group_size=4, fused=True)
+    assert len(warmups) == 1                      # registers looked up once per specialisation
+    (grid, per_split, splits), _ = launches
+    assert grid == (8, 49) and splits == 49 and per_split * 49 >= 65536 > per_split * 48
