@@ -431,9 +431,10 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     Packed part k is read as n 2^(k bits) (`_unpack_part`): the query part k comes pre-divided
     by 2^(k bits) and the value part k's accumulator is divided at the end. Stored widths that
     are not powers of two (e.g. the K25/V75 split's value rank 96 s) are zero-padded to RKPAD /
-    RVPAD columns in registers (tl.arange needs powers of two); the pad is never loaded. INT_KEYS: packed
-    keys go through int8 tensor-core dots instead (`_field_int8`: a shift and an AND per four
-    values instead of fp16 conversion; the query as two int8 digits per row, `_query_int8`)."""
+    RVPAD columns in registers (tl.arange needs powers of two); the pad is never loaded.
+    INT_KEYS: packed keys go through int8 tensor-core dots instead (`_field_int8`: a shift and
+    an AND per four values instead of fp16 conversion; the query as two int8 digits per row,
+    `_query_int8`)."""
     pid_g, pid_s = tl.program_id(0), tl.program_id(1)
     b, g = pid_g // G, pid_g % G
     PK: tl.constexpr = 1 if BITS_K == 16 else 8 // BITS_K
@@ -728,8 +729,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     whenever it can; False: always the three-launch path; True: required, else an error);
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
-    tensor-core dots (None: where measured faster, with a 128-register cap at rank 256). With `splits=None` the one-pass kernel runs one wave: as
-    many sequence splits as the GPU holds programs at once.
+    tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
+    With `splits=None` the one-pass kernel runs one wave: as many sequence splits as the GPU
+    holds programs at once.
     """
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
     vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
