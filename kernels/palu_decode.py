@@ -710,6 +710,27 @@ def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, leng
     return z
 
 
+def one_pass_options(kbits: int, vbits: int, rk: int, rv: int, stages: int | None = None,
+                     int_keys: bool | None = None, maxnreg: int | None = None) -> tuple[int, bool, int | None]:
+    """(pipeline stages, int8 key dots, register cap) of the one-pass kernel; None = measured default.
+
+    From kernels/NOTES.md (llama2 shapes, 64K): 3 stages for packed latents (v9); int8 key dots
+    pay for 2/4-bit keys of rank >= 256 (g4 int2 75 -> 64 us, g8 int2 67 -> 63) and cost for
+    smaller key ranks (K25/V75 g2 int4 127 -> 153 us); they need more registers, so at rank 256
+    they are capped at 128 (4 programs per SM instead of 2: 90 -> 80 us; rank 512 spills at
+    128: 72 -> 127 us, so no cap there)."""
+    if stages is None:
+        stages = 2 if kbits == vbits == 16 else 3
+    int_ok = kbits != 16 and _stored_pad(rk, kbits) >= 32   # int8 dots: k in steps of 32
+    if int_keys and not int_ok:
+        raise ValueError(f"fused_int_keys needs packed keys with >= 32 stored columns "
+                         f"(key rank {rk}, {kbits}-bit)")
+    int_keys = (kbits in (2, 4) and rk >= 256) if int_keys is None else bool(int_keys)
+    if maxnreg is None and int_keys and max(rk, rv) <= 256:
+        maxnreg = 128
+    return stages, int_keys, maxnreg
+
+
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
                 positions=None, position_offset=None, inv_freq=None, lengths=None,
                 splits: int | None = None,
@@ -763,20 +784,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if fused and why_not:
         raise ValueError(f"the one-pass kernel cannot serve this layer: {why_not}")
     if fused is not False and not why_not:
-        if fused_stages is None:   # measured (kernels/NOTES.md, v9): 3 for packed latents
-            fused_stages = 2 if kbits == vbits == 16 else 3
-        int_ok = kbits != 16 and _stored_pad(rk, kbits) >= 32   # int8 dots: k in steps of 32
-        if fused_int_keys and not int_ok:
-            raise ValueError(f"fused_int_keys needs packed keys with >= 32 stored columns "
-                             f"(key rank {rk}, {kbits}-bit)")
-        # Defaults from the v10 measurements (kernels/NOTES.md, llama2 shapes, 64K): int8 key
-        # dots pay for 2/4-bit keys of rank >= 256 (g4 int2 75 -> 64 us, g8 int2 67 -> 63) and
-        # cost for smaller ranks (K25/V75 g2 int4 127 -> 153 us); they need more registers, so
-        # at rank 256 they are capped at 128 (4 programs per SM instead of 2: 90 -> 80 us; rank
-        # 512 spills at 128: 72 -> 127 us).
-        int_keys = (kbits in (2, 4) and rk >= 256) if fused_int_keys is None else bool(fused_int_keys)
-        if fused_maxnreg is None and int_keys and max(rk, rv) <= 256:
-            fused_maxnreg = 128
+        fused_stages, int_keys, fused_maxnreg = one_pass_options(
+            kbits, vbits, rk, rv, fused_stages, fused_int_keys, fused_maxnreg)
         return _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths,
                           scale, B, G, T, H, rk, rv, group_size * n_rep, mv,
                           fused_block_t, fused_stages, fused_warps, splits, fused_maxnreg, int_keys)

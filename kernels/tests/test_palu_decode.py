@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kernels.layout import as_groups, dequantize_latent, quantize_latent  # noqa: E402
-from kernels.palu_decode import palu_decode, programs_per_sm  # noqa: E402
+from kernels.palu_decode import one_pass_options, palu_decode, programs_per_sm  # noqa: E402
 from kernels.reference import latent_decode_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -294,3 +294,16 @@ def test_one_pass_kernel_launches_one_wave_of_splits(monkeypatch):
     assert len(warmups) == 1                      # registers looked up once per specialisation
     (grid, per_split, splits), _ = launches
     assert grid == (8, 49) and splits == 49 and per_split * 49 >= 65536 > per_split * 48
+
+
+def test_one_pass_defaults_follow_the_measurements():
+    # kernels/NOTES.md v10: int8 key dots for 2/4-bit keys of rank >= 256, capped at 128
+    # registers up to rank 256 (rank 512 spills there); fp16 keys elsewhere; 3 stages if packed
+    assert one_pass_options(4, 4, 256, 256) == (3, True, 128)      # llama2 G-LRD-4
+    assert one_pass_options(2, 2, 512, 512) == (3, True, None)     # G-LRD-8: no cap
+    assert one_pass_options(4, 4, 128, 384) == (3, False, None)    # K25/V75: small key rank
+    assert one_pass_options(8, 8, 256, 256) == (3, False, None)    # 8-bit: slower with int8 dots
+    assert one_pass_options(16, 16, 256, 256) == (2, False, None)
+    assert one_pass_options(4, 4, 256, 256, stages=2, int_keys=False, maxnreg=0) == (2, False, 0)
+    with pytest.raises(ValueError, match="fused_int_keys needs packed keys"):
+        one_pass_options(16, 16, 256, 256, int_keys=True)
