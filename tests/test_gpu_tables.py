@@ -60,3 +60,12 @@ def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
     assert proc.returncode != 0
     assert "needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not out.exists()
+
+
+def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
+    from palu.bench.latency import tune_params
+    assert tune_params([32, [2, 3], [4, 4], 64]) == dict(block_t=32, stages=(2, 3), warps=(4, 4), block_r=64)
+    assert tune_params({"fused_int_keys": True, "fused_maxnreg": 128, "splits": 64}) == \
+        dict(fused_int_keys=True, fused_maxnreg=128, splits=64)
+    with pytest.raises(ValueError, match=r"tune variant \[32, 64\] is neither"):
+        tune_params([32, 64])

@@ -122,6 +122,18 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
                 rope=rope, split=split, rank_k=c["rank_k"], rank_v=c["rank_v"])
 
 
+def tune_params(variant) -> dict:
+    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
+    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
+    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
+    if isinstance(variant, dict):
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
+    if len(variant) != 4:
+        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
+                         "nor a mapping of palu_decode keywords")
+    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
+
+
 def tune(cfg, ceil, log) -> list[dict]:
     """Time kernel launch parameters on a few representative configurations (kernel notes)."""
     from kernels.palu_decode import palu_decode
@@ -133,7 +145,7 @@ def tune(cfg, ceil, log) -> list[dict]:
         if not case["rope"]:
             kw["bk"] = None
         for v in cfg["tune_variants"]:
-            params = dict(block_t=v[0], stages=tuple(v[1]), warps=tuple(v[2]), block_r=v[3])
+            params = tune_params(v)
             try:
                 t = _bench(lambda: palu_decode(qi, hk, hv, **kw, **params), cfg["warmup_ms"], cfg["rep_ms"])
                 row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v))
