@@ -43,6 +43,19 @@ def test_fp16_latents_match_reference(rope, block_r, B, G, s, n_rep, T):
     assert _rel(out, ref) < 5e-3  # fp16 operands, fp32 accumulation
 
 
+@pytest.mark.parametrize("rope, fused", [(True, None), (False, True), (False, False)])
+def test_bf16_latents_and_queries_match_reference(rope, fused):
+    # bf16 models: latents and queries arrive in bf16; the kernels take them to fp16 on-chip
+    q, hk, hv, bk, pos, invf = _case(2, 2, 2, 1, 45, rk=64, rv=64, rope=rope, seed=3)
+    q, hk, hv = q.bfloat16(), hk.bfloat16(), hv.bfloat16()
+    bk = bk.bfloat16() if rope else None
+    kw = dict(scale=0.2, n_rep=1, group_size=2, bk=bk, inv_freq=invf, lengths=torch.tensor([45, 30], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    out = palu_decode(q, hk, hv, splits=2, block_t=16, block_r=16, block_rv=16, fused_block_t=16,
+                      fused=fused, **kw)
+    assert _rel(out, ref) < 2e-3
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("rope", [True, False])
 def test_quantised_latents_match_dequantised_reference(bits, rope):
