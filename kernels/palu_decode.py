@@ -599,10 +599,16 @@ def _use_asm(dev) -> bool:
 
 
 def _bits_and_parts(x, name):
+    data = x.data if isinstance(x, QuantLatent) else x
+    if not isinstance(x, QuantLatent) and x.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} latents must be fp16/bf16 or QuantLatent, got {x.dtype}")
+    if data.dim() != 4 or (data.stride(-1) != 1 and data.shape[-1] > 1):
+        # the kernels address [batch, group, token] by strides and the rank contiguously
+        raise ValueError(f"{name} latents must be [batch, groups, tokens, rank] with unit stride "
+                         f"along the rank (kernels/layout.py); got shape {tuple(data.shape)}, "
+                         f"strides {data.stride()}")
     if isinstance(x, QuantLatent):
         return x.bits, x.data, x.scale, x.zero, x.rank
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} latents must be fp16/bf16 or QuantLatent, got {x.dtype}")
     return 16, x, x, x, x.shape[-1]
 
 
@@ -758,6 +764,12 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
     vbits, vdata, vscale, vzero, rv = _bits_and_parts(hv, "value")
     B, G, T, _ = kdata.shape
+    if q.dim() != 3 or q.shape[0] != B:
+        raise ValueError(f"query must be [batch={B}, heads, dim]; got shape {tuple(q.shape)}")
+    if vdata.shape[:3] != kdata.shape[:3]:
+        raise ValueError(f"key latents {tuple(kdata.shape)} and value latents {tuple(vdata.shape)} "
+                         "differ in batch, groups or tokens")
+    q = q if q.stride(-1) == 1 else q.contiguous()   # a few KB: copying beats a strided path
     H = q.shape[1]
     if H != G * group_size * n_rep:
         raise ValueError(f"{H} query heads != {G} groups x {group_size} KV heads x {n_rep}")
@@ -796,7 +808,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 else position_offset.to(torch.int32).contiguous())
         positions = pos0[:, None]
     else:
-        positions, pos0 = positions.to(torch.int32), lengths
+        positions, pos0 = positions.to(torch.int32).contiguous(), lengths
     if inv_freq is None:
         inv_freq = torch.ones(1, device=dev)
     inv_freq = inv_freq.float().contiguous()

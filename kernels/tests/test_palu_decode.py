@@ -102,6 +102,21 @@ def test_bad_shapes_are_rejected():
                     inv_freq=invf2)
 
 
+def test_latents_without_unit_rank_stride_are_rejected_not_misread():
+    # a transposed view (rank stride = tokens) once gave a silent 100 % error
+    q, hk, hv, _, _, _ = _case(1, 2, 1, 1, 40, rk=32, rv=32, rope=False)
+    kw = dict(scale=0.2, n_rep=1, group_size=1)
+    bad = hk.transpose(-1, -2).contiguous().transpose(-1, -2)
+    with pytest.raises(ValueError, match=r"key latents must be \[batch, groups, tokens, rank\] with unit stride"):
+        palu_decode(q, bad, hv, **kw)
+    with pytest.raises(ValueError, match="differ in batch, groups or tokens"):
+        palu_decode(q, hk, hv[:, :, :20], **kw)
+    # a strided query is copied (cheap), strided positions too
+    qs = torch.stack([q, q], -1)[..., 0]            # stride 2 along the dim
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    assert _rel(palu_decode(qs, hk, hv, splits=2, fused_block_t=16, **kw), ref) < 5e-3
+
+
 def test_contiguous_positions_fast_rope_matches_reference():
     q, hk, hv, bk, pos, invf = _case(2, 2, 1, 2, 75, rk=32, rv=48)
     off = torch.tensor([5, 1000], device=DEV)
