@@ -608,6 +608,12 @@ def _bits_and_parts(x, name):
                          f"along the rank (kernels/layout.py); got shape {tuple(data.shape)}, "
                          f"strides {data.stride()}")
     if isinstance(x, QuantLatent):
+        if x.bits not in (2, 4, 8) or x.rank * x.bits != data.shape[-1] * 8:
+            raise ValueError(f"{name} latents: {data.shape[-1]} packed bytes per token do not hold "
+                             f"rank {x.rank} at {x.bits} bits")
+        if x.scale.shape != data.shape[:3] or x.zero.shape != data.shape[:3]:
+            raise ValueError(f"{name} latents: scales {tuple(x.scale.shape)} / zero points "
+                             f"{tuple(x.zero.shape)} must be [batch, groups, tokens] = {tuple(data.shape[:3])}")
         return x.bits, x.data, x.scale, x.zero, x.rank
     return 16, x, x, x, x.shape[-1]
 

@@ -8,7 +8,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from kernels.layout import as_groups, dequantize_latent, quantize_latent  # noqa: E402
+from kernels.layout import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
 from kernels.palu_decode import one_pass_options, palu_decode, programs_per_sm  # noqa: E402
 from kernels.reference import latent_decode_reference  # noqa: E402
 
@@ -111,6 +111,11 @@ def test_latents_without_unit_rank_stride_are_rejected_not_misread():
         palu_decode(q, bad, hv, **kw)
     with pytest.raises(ValueError, match="differ in batch, groups or tokens"):
         palu_decode(q, hk, hv[:, :, :20], **kw)
+    qk = quantize_latent(hk, 4)
+    with pytest.raises(ValueError, match="16 packed bytes per token do not hold rank 64 at 4 bits"):
+        palu_decode(q, QuantLatent(qk.data, qk.scale, qk.zero, 4, 64), hv, **kw)
+    with pytest.raises(ValueError, match=r"scales \(1, 2, 39\) / zero points"):
+        palu_decode(q, QuantLatent(qk.data, qk.scale[:, :, 1:], qk.zero, 4, 32), hv, **kw)
     # a strided query is copied (cheap), strided positions too
     qs = torch.stack([q, q], -1)[..., 0]            # stride 2 along the dim
     ref = latent_decode_reference(q, hk, hv, **kw)
