@@ -814,9 +814,17 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 else position_offset.to(torch.int32).contiguous())
         positions = pos0[:, None]
     else:
+        if positions.shape != (B, T):
+            raise ValueError(f"positions shape {tuple(positions.shape)} != (batch, tokens) = {(B, T)}")
         positions, pos0 = positions.to(torch.int32).contiguous(), lengths
+    if contig and pos0.shape != (B,):
+        raise ValueError(f"position_offset shape {tuple(pos0.shape)} != (batch,) = {(B,)}")
     if inv_freq is None:
+        if rope:
+            raise ValueError("RoPE mode (bk given) needs inv_freq [head_dim / 2]")
         inv_freq = torch.ones(1, device=dev)
+    elif rope and inv_freq.shape != (q.shape[-1] // 2,):
+        raise ValueError(f"inv_freq shape {tuple(inv_freq.shape)} != (head_dim / 2,) = {(q.shape[-1] // 2,)}")
     inv_freq = inv_freq.float().contiguous()
     units = G * units_per_group
     rkp = rk // (1 if kbits == 16 else 8 // kbits)

@@ -100,6 +100,15 @@ def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="head_dim/2"):
         palu_decode(q2, hk2, hv2, scale=1.0, n_rep=1, group_size=1, bk=bk2, positions=pos2,
                     inv_freq=invf2)
+    kw = dict(scale=1.0, n_rep=1, group_size=1, bk=bk)
+    with pytest.raises(ValueError, match=r"positions shape \(1, 19\) != \(batch, tokens\)"):
+        palu_decode(q, hk, hv, positions=pos[:, 1:], inv_freq=invf, **kw)
+    with pytest.raises(ValueError, match=r"inv_freq shape \(8,\) != \(head_dim / 2,\) = \(16,\)"):
+        palu_decode(q, hk, hv, positions=pos, inv_freq=invf[:8], **kw)
+    with pytest.raises(ValueError, match="needs inv_freq"):
+        palu_decode(q, hk, hv, positions=pos, **kw)
+    with pytest.raises(ValueError, match=r"position_offset shape \(2,\) != \(batch,\)"):
+        palu_decode(q, hk, hv, position_offset=torch.zeros(2, device=DEV), inv_freq=invf, **kw)
 
 
 def test_latents_without_unit_rank_stride_are_rejected_not_misread():
