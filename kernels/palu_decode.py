@@ -764,7 +764,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
     tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
     With `splits=None` the one-pass kernel runs one wave: as many sequence splits as the GPU
-    holds programs at once. bf16 latents and queries are taken to fp16 on-chip (exact for
+    holds programs at once. `lengths` [B] (default: all T) must lie in [1, T]; only a CPU tensor
+    is checked. bf16 latents and queries are taken to fp16 on-chip (exact for
     6e-5 <= |x| < 65504, fp16's normal range; latents of real models lie well inside it).
     """
     kbits, kdata, kscale, kzero, rk = _bits_and_parts(hk, "key")
@@ -796,8 +797,15 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         if (r // per) % 16:
             raise ValueError(f"{name} {r} must give a multiple of 16 stored columns ({bits}-bit)")
     dev = kdata.device
+    if lengths is not None:
+        if lengths.shape != (B,):
+            raise ValueError(f"lengths shape {tuple(lengths.shape)} != (batch,) = {(B,)}")
+        # values are checked only where that is free (a CUDA tensor would need a host sync per
+        # step, and no sync can run inside a captured CUDA graph); past T the kernels read garbage
+        if lengths.device.type == "cpu" and (lengths.min() < 1 or lengths.max() > T):
+            raise ValueError(f"lengths {lengths.tolist()} must lie in [1, {T}] (the cached tokens)")
     lengths = (torch.full((B,), T, dtype=torch.int32, device=dev) if lengths is None
-               else lengths.to(torch.int32).contiguous())
+               else lengths.to(device=dev, dtype=torch.int32).contiguous())
     mv = max(16, triton.next_power_of_2(group_size * n_rep))
     why_not = _fused_unfit(rope, rk, rv, kbits, vbits, mv)
     if fused and why_not:

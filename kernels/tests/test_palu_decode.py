@@ -107,6 +107,9 @@ def test_bad_shapes_are_rejected():
         palu_decode(q, hk, hv, positions=pos, inv_freq=invf[:8], **kw)
     with pytest.raises(ValueError, match="needs inv_freq"):
         palu_decode(q, hk, hv, positions=pos, **kw)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match=r"lengths \[21\] must lie in \[1, 20\]"):
+            palu_decode(q, hk, hv, positions=pos, inv_freq=invf, lengths=torch.tensor([21]), **kw)
     with pytest.raises(ValueError, match=r"position_offset shape \(2,\) != \(batch,\)"):
         palu_decode(q, hk, hv, position_offset=torch.zeros(2, device=DEV), inv_freq=invf, **kw)
 
