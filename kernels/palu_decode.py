@@ -465,23 +465,23 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
             qh2, ql2, qs2 = _query_int8(q_rows, row_ok, 2, RKP, RKPAD, inv_sq)
             qh3, ql3, qs3 = _query_int8(q_rows, row_ok, 3, RKP, RKPAD, inv_sq)
             qs += qs2 + qs3
-    q0 = _query_part(q_rows, row_ok, 0, RKP, RKPAD, kb)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if PK > 1:
-        q1 = _query_part(q_rows, row_ok, 1, RKP, RKPAD, kb)
-    if PK > 2:
-        q2 = _query_part(q_rows, row_ok, 2, RKP, RKPAD, kb)
-        q3 = _query_part(q_rows, row_ok, 3, RKP, RKPAD, kb)
-    qsum = tl.sum(q0.to(tl.float32), 1)      # sum(q), for the zero point
-    if PK > 1:
-        qsum += tl.sum(q1.to(tl.float32), 1) * (1 << BITS_K)
-    if PK > 2:
-        qsum += (tl.sum(q2.to(tl.float32), 1) * (1 << 2 * BITS_K)
-                 + tl.sum(q3.to(tl.float32), 1) * (1 << 3 * BITS_K))
-    if INT_KEYS:   # sum of the query the int8 dots see, so the zero point cancels exactly
-        qsum = qs * sq
+        qsum = qs * sq   # sum of the query the int8 dots see, so the zero point cancels exactly
+    else:
+        q0 = _query_part(q_rows, row_ok, 0, RKP, RKPAD, kb)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+        if PK > 1:
+            q1 = _query_part(q_rows, row_ok, 1, RKP, RKPAD, kb)
+        if PK > 2:
+            q2 = _query_part(q_rows, row_ok, 2, RKP, RKPAD, kb)
+            q3 = _query_part(q_rows, row_ok, 3, RKP, RKPAD, kb)
+        qsum = tl.sum(q0.to(tl.float32), 1)      # sum(q), for the zero point
+        if PK > 1:
+            qsum += tl.sum(q1.to(tl.float32), 1) * (1 << BITS_K)
+        if PK > 2:
+            qsum += (tl.sum(q2.to(tl.float32), 1) * (1 << 2 * BITS_K)
+                     + tl.sum(q3.to(tl.float32), 1) * (1 << 3 * BITS_K))
     m_i = tl.full([M], -float("inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
     wz = tl.zeros([M], tl.float32)      # sum_t p_t s_t z_t (value zero points)
@@ -705,7 +705,7 @@ def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, leng
             # One wave: as many splits as the GPU holds programs at once, so all start together
             # and stream equal shares; more leave a partial last wave (measured, NOTES v10:
             # group 8 int4 at 64K, 264 splits in 2 waves 96 us, 64 splits in one 75 us).
-            key = (dev, tuple(sorted((k, str(v)) for k, v in meta.items())))
+            key = (dev, tuple(meta.items()))   # constexprs and launch options: hashable
             if key not in _SLOTS:   # compile (no launch) to read registers and shared memory
                 dummy = torch.empty(1, device=dev, dtype=torch.float32)
                 compiled = _fused_norope.warmup(*launch_args(dummy, dummy, dummy, *_even_splits(T, splits, block_t)),
