@@ -277,20 +277,25 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
 
 
 @triton.jit
-def _fold_query(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr):
-    """Rows f of a = q1_f B1_f + q2_f B2_f and c = q2_f B1_f - q1_f B2_f (rank columns rcols)."""
+def _fold_query(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr, k: tl.constexpr,
+                BITS: tl.constexpr):
+    """Rows f of a = q1_f B1_f + q2_f B2_f and c = q2_f B1_f - q1_f B2_f (rank columns rcols of
+    packed part k, divided by the part's weight 2^(k BITS), see `_unpack_part`), and the row sums
+    of the undivided fp16 rows (zero-point terms)."""
     b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16).to(tl.float32)
     b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16).to(tl.float32)
-    return ((q1[:, None] * b1 + q2[:, None] * b2).to(tl.float16),
-            (q2[:, None] * b1 - q1[:, None] * b2).to(tl.float16))
+    a = (q1[:, None] * b1 + q2[:, None] * b2).to(tl.float16).to(tl.float32)
+    c = (q2[:, None] * b1 - q1[:, None] * b2).to(tl.float16).to(tl.float32)
+    w = 1.0 / (1 << (k * BITS)) if BITS != 16 else 1.0
+    return (a * w).to(tl.float16), (c * w).to(tl.float16), tl.sum(a, 1), tl.sum(c, 1)
 
 
 @triton.jit
 def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk_scale,
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_ob, s_oh,
                   UNITS_PER_GROUP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
-                  BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr):
-    """RoPE scores with one query per KV head (MHA), contiguous positions, small ranks.
+                  BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr, ASM: tl.constexpr):
+    """RoPE scores with one query per KV head (MHA), contiguous positions, key rank <= 256.
 
     q . RoPE_t(B h) = sum_f cos(t th_f) (a_f . h) + sin(t th_f) (c_f . h) with
     a_f = q1_f B1_f + q2_f B2_f and c_f = q2_f B1_f - q1_f B2_f. The query is folded into B once
@@ -309,21 +314,15 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
     q1 = tl.load(Q + b * s_qb + u * s_qh + offs_h).to(tl.float16).to(tl.float32)
     q2 = tl.load(Q + b * s_qb + u * s_qh + HALF + offs_h).to(tl.float16).to(tl.float32)
     b_rows = BK + g * (UNITS_PER_GROUP * 2 * HALF * R) + (jl * 2 * HALF + offs_h)[:, None] * R
-    a0, c0 = _fold_query(b_rows, q1, q2, cols, HALF, R)
+    a0, c0, za, zc = _fold_query(b_rows, q1, q2, cols, HALF, R, 0, BITS)
     a1, c1, a2, c2, a3, c3 = a0, c0, a0, c0, a0, c0
     if PER > 1:
-        a1, c1 = _fold_query(b_rows, q1, q2, RP + cols, HALF, R)
+        a1, c1, za1, zc1 = _fold_query(b_rows, q1, q2, RP + cols, HALF, R, 1, BITS)
+        za, zc = za + za1, zc + zc1
     if PER > 2:
-        a2, c2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R)
-        a3, c3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R)
-    za = tl.sum(a0.to(tl.float32), 1)      # zero-point terms (quantised latents)
-    zc = tl.sum(c0.to(tl.float32), 1)
-    if PER > 1:
-        za += tl.sum(a1.to(tl.float32), 1)
-        zc += tl.sum(c1.to(tl.float32), 1)
-    if PER > 2:
-        za += tl.sum(a2.to(tl.float32) + a3.to(tl.float32), 1)
-        zc += tl.sum(c2.to(tl.float32) + c3.to(tl.float32), 1)
+        a2, c2, za2, zc2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R, 2, BITS)
+        a3, c3, za3, zc3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R, 3, BITS)
+        za, zc = za + za2 + za3, zc + zc2 + zc3
     inv_freq = tl.load(INVF + offs_h)
     ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
     ci, si = tl.cos(ang_i), tl.sin(ang_i)
@@ -335,18 +334,21 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
         t_ok = offs_t < t_end
         raw = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + cols[None, :],
                       mask=t_ok[:, None], other=0)
-        h = _unpack(raw, 0, BITS)
+        if BITS == 16:
+            h = raw.to(tl.float16)
+        else:   # part k as n 2^(k BITS): its weight is divided out of a_k, c_k
+            h = _unpack_part(raw, 0, BITS, ASM)
         ua = tl.dot(h, tl.trans(a0))
         uc = tl.dot(h, tl.trans(c0))
         if PER > 1:
-            h = _unpack(raw, 1, BITS)
+            h = _unpack_part(raw, 1, BITS, ASM)
             ua += tl.dot(h, tl.trans(a1))
             uc += tl.dot(h, tl.trans(c1))
         if PER > 2:
-            h = _unpack(raw, 2, BITS)
+            h = _unpack_part(raw, 2, BITS, ASM)
             ua += tl.dot(h, tl.trans(a2))
             uc += tl.dot(h, tl.trans(c2))
-            h = _unpack(raw, 3, BITS)
+            h = _unpack_part(raw, 3, BITS, ASM)
             ua += tl.dot(h, tl.trans(a3))
             uc += tl.dot(h, tl.trans(c3))
         if BITS != 16:
@@ -417,13 +419,13 @@ def _query_part(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.cons
 
 
 @triton.jit
-def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_split, n_splits, qk_scale,
+def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, S, ACC, MS, LS, LENS, tokens_per_split, n_splits, qk_scale,
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_ksb, s_ksg, s_kst,
-                  s_vb, s_vg, s_vt, s_vsb, s_vsg, s_vst,
+                  s_vb, s_vg, s_vt, s_vsb, s_vsg, s_vst, s_sb, s_sh,
                   ROWS: tl.constexpr, M: tl.constexpr, RK: tl.constexpr, RV: tl.constexpr,
                   RKPAD: tl.constexpr, RVPAD: tl.constexpr,
                   BITS_K: tl.constexpr, BITS_V: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr,
-                  ASM: tl.constexpr, INT_KEYS: tl.constexpr):
+                  ASM: tl.constexpr, INT_KEYS: tl.constexpr, SCORES_IN: tl.constexpr):
     """Non-RoPE models, one pass: scores, online softmax and value accumulation per tile, so the
     scores never leave the chip. One program per (sequence, group, split); whole ranks in
     registers (the host takes this path only for small ranks).
@@ -434,7 +436,9 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     RVPAD columns in registers (tl.arange needs powers of two); the pad is never loaded.
     INT_KEYS: packed keys go through int8 tensor-core dots instead (`_field_int8`: a shift and
     an AND per four values instead of fp16 conversion; the query as two int8 digits per row,
-    `_query_int8`)."""
+    `_query_int8`).
+    SCORES_IN: the scores come from S [B, H, T] (base-2, scaled), written by a RoPE scores kernel;
+    this kernel is then the values half of a RoPE layer (no key or query is read)."""
     pid_g, pid_s = tl.program_id(0), tl.program_id(1)
     b, g = pid_g // G, pid_g % G
     PK: tl.constexpr = 1 if BITS_K == 16 else 8 // BITS_K
@@ -450,7 +454,9 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     t_end = tl.minimum(t0 + tokens_per_split, length)
     q_rows = Q + b * s_qb + (g * ROWS + rows)[:, None] * s_qh
     kb = 16 if BITS_K == 16 else BITS_K
-    if INT_KEYS:
+    if SCORES_IN:
+        s_rows = S + b * s_sb + (g * ROWS + rows)[:, None] * s_sh
+    elif INT_KEYS:
         qmax = tl.max(tl.abs(_query_cols(q_rows, row_ok, 0, RKP, RKPAD)), 1)
         for k in tl.static_range(1, PK):
             qmax = tl.maximum(qmax, tl.max(tl.abs(_query_cols(q_rows, row_ok, k, RKP, RKPAD)), 1))
@@ -492,9 +498,12 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end
-        rk = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + ck[None, :],
-                     mask=t_ok[:, None] & ck_ok, other=0)
-        if BITS_K == 16:
+        if not SCORES_IN:
+            rk = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + ck[None, :],
+                         mask=t_ok[:, None] & ck_ok, other=0)
+        if SCORES_IN:
+            s = tl.load(s_rows + offs_t[None, :], mask=row_ok[:, None] & t_ok[None, :], other=-float("inf"))
+        elif BITS_K == 16:
             s = tl.dot(q0, tl.trans(rk.to(tl.float16)))
         elif INT_KEYS:
             ih = tl.zeros([M, BLOCK_T], tl.int32)
@@ -519,7 +528,8 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, ACC, MS, LS, LENS, tokens_per_s
                 s += tl.dot(q3, tl.trans(_unpack_part(rk, 3, BITS_K, ASM)))
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_ksb + g * s_ksg, offs_t, s_kst, t_ok)
             s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
-        s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
+        if not SCORES_IN:
+            s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
         m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
         rv = tl.load(HV + b * s_vb + g * s_vg + offs_t[:, None] * s_vt + cv[None, :],
                      mask=t_ok[:, None] & cv_ok, other=0)
@@ -640,15 +650,22 @@ def _stored_pad(r: int, bits: int) -> int:
     return triton.next_power_of_2(r // (1 if bits == 16 else 8 // bits))
 
 
+def _values_unfit(rv, vbits, M) -> str | None:
+    """Why the one-pass kernel cannot accumulate a layer's values (None if it can)."""
+    rv_pad = _stored_pad(rv, vbits) * (1 if vbits == 16 else 8 // vbits)
+    if M * rv_pad > 16 * 512:   # the whole value rank lives in registers
+        return f"value rank {rv} x {M} rows too large for registers"
+    return None
+
+
 def _fused_unfit(rope, rk, rv, kbits, vbits, M) -> str | None:
     """Why the one-pass kernel cannot serve a layer (None if it can)."""
     if rope:
         return "RoPE keys are rebuilt by the two-pass kernels"
     rk_pad = _stored_pad(rk, kbits) * (1 if kbits == 16 else 8 // kbits)
-    rv_pad = _stored_pad(rv, vbits) * (1 if vbits == 16 else 8 // vbits)
-    if rk_pad > 512 or M * rv_pad > 16 * 512:   # whole ranks live in registers
-        return f"ranks (k {rk}, v {rv}) x {M} rows too large for registers"
-    return None
+    if rk_pad > 512:   # whole ranks live in registers
+        return f"key rank {rk} too large for registers"
+    return _values_unfit(rv, vbits, M)
 
 
 _SLOTS: dict = {}   # (device, kernel specialisation) -> resident programs per GPU
@@ -683,21 +700,25 @@ def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
 
 def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,
                B, G, T, H, rk, rv, rows, M, block_t, stages, warps, splits, maxnreg=None,
-               int_keys=False):
-    dev = kdata.device
+               int_keys=False, scores=None):
+    """One-pass kernel, one wave, then the combine. With `scores` [B, H, T] (a RoPE layer's, from
+    a scores kernel) only the value side runs: q and the key arguments are not read."""
+    dev = vdata.device
     ks = kscale if kbits != 16 else kdata
     vs = vscale if vbits != 16 else vdata
+    sc = q if scores is None else scores
 
     def launch_args(acc, ms, ls, per_split, splits):
-        return (q, kdata, kscale, kzero, vdata, vscale, vzero, acc, ms, ls, lengths, per_split, splits,
+        return (q, kdata, kscale, kzero, vdata, vscale, vzero, sc, acc, ms, ls, lengths, per_split, splits,
                 scale * LOG2E, q.stride(0), q.stride(1),
                 kdata.stride(0), kdata.stride(1), kdata.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-                vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2))
+                vdata.stride(0), vdata.stride(1), vdata.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+                sc.stride(0), sc.stride(1))
 
     meta = dict(ROWS=rows, M=M, RK=rk, RV=rv, RKPAD=_stored_pad(rk, kbits), RVPAD=_stored_pad(rv, vbits),
                 BITS_K=kbits, BITS_V=vbits, BLOCK_T=block_t, G=G,
-                ASM=_use_asm(dev), INT_KEYS=int_keys, num_stages=stages, num_warps=warps,
-                **({"maxnreg": maxnreg} if maxnreg else {}))
+                ASM=_use_asm(dev), INT_KEYS=int_keys, SCORES_IN=scores is not None,
+                num_stages=stages, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
     if splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
@@ -743,15 +764,33 @@ def one_pass_options(kbits: int, vbits: int, rk: int, rv: int, stages: int | Non
     return stages, int_keys, maxnreg
 
 
+def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,
+                  warps: int | None = None) -> tuple[int, int, int]:
+    """(token tile, pipeline stages, warps) of the folded-query RoPE scores kernel; None = measured.
+
+    kernels/NOTES.md, session 5 (llama2, 64K): fp16 latents 64 / 3 / 8 (two warpgroups, the
+    folded query in shared memory, wgmma); packed latents are unpacked in registers and run best
+    on one warpgroup: 64 / 3 / 4 for key ranks >= 128 (G-LRD-4 int4 833 -> 629 us, int2 821 ->
+    512), and 32-token tiles on 2 warps for rank 64 (M-LRD int4 630 -> 377 us)."""
+    if kbits == 16:
+        d = (64, 3, 8)
+    elif rk >= 128:
+        d = (64, 3, 4)
+    else:
+        d = (32, 3, 2)
+    return (block_t or d[0], stages or d[1], warps or d[2])
+
+
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
                 positions=None, position_offset=None, inv_freq=None, lengths=None,
                 splits: int | None = None,
-                block_t: int = 64, block_r: int = 64, block_rv: int = 64,
-                stages: tuple[int, int] = (1, 2), warps: tuple[int, int] = (4, 4),
+                block_t: int = 32, block_r: int = 256, block_rv: int = 64,
+                stages: tuple[int, int] = (2, 3), warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int = 64, fused_stages: int | None = None,
                 fused_warps: int = 4, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
-                qproj_block_t: int = 64, qproj_stages: int = 3, qproj_warps: int = 8) -> torch.Tensor:
+                qproj_block_t: int | None = None, qproj_stages: int | None = None,
+                qproj_warps: int | None = None) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -759,7 +798,12 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     inv_freq [D/2]); otherwise q is the fused query [B, H, Rk]. Positions are either arbitrary
     (`positions` [B, T]) or contiguous from `position_offset` [B] (the usual cache; faster RoPE).
     Non-RoPE layers with small ranks take the one-pass `_fused_norope` kernel (`fused=None`:
-    whenever it can; False: always the three-launch path; True: required, else an error);
+    whenever it can; False: always the three-launch path; True: required, else an error).
+    RoPE layers write scores with `_scores` or `_scores_qproj` (`qproj=None`: folded query for
+    MHA with contiguous positions and key rank <= 256) and, unless `fused=False` or the value
+    rank is too large, accumulate values with the one-pass kernel reading those scores
+    (`qproj_*=None`: the measured tiles of `qproj_options`; `block_t`, `block_r`, `stages` and
+    `warps` are those of `_scores` and `_values`, tuned in kernels/NOTES.md);
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
     tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
@@ -837,11 +881,14 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     units = G * units_per_group
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
-        qproj = rope and rows == 1 and contig and rk <= 128 and rkp & (rkp - 1) == 0
+        qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
     if qproj:
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
+        qproj_block_t, qproj_stages, qproj_warps = qproj_options(kbits, rk, qproj_block_t,
+                                                                 qproj_stages, qproj_warps)
         block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
+    splits_arg = splits
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
@@ -856,7 +903,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
             q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
             ks.stride(0), ks.stride(1), ks.stride(2), S.stride(0), S.stride(1),
             UNITS_PER_GROUP=units_per_group, R=rk, HALF=q.shape[-1] // 2, BITS=kbits,
-            BLOCK_T=qproj_block_t, NUM_UNITS=units, num_stages=qproj_stages, num_warps=qproj_warps)
+            BLOCK_T=qproj_block_t, NUM_UNITS=units, ASM=_use_asm(dev),
+            num_stages=qproj_stages, num_warps=qproj_warps)
     else:
         _scores[(B * units, splits)](
             q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
@@ -867,6 +915,12 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
             HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
             BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig,
             num_stages=stages[0], num_warps=warps[0])
+    if fused is not False and not _values_unfit(rv, vbits, mv):
+        # the values half through the one-pass kernel (one wave, v9 unpacking, whole ranks)
+        return _run_fused(q, q, q, q, 16, vdata, vscale, vzero, vbits, lengths, scale, B, G, T, H,
+                          16, rv, group_size * n_rep, mv, fused_block_t,
+                          fused_stages or (2 if vbits == 16 else 3), fused_warps, splits_arg,
+                          fused_maxnreg, scores=S)
     rvp = rv // (1 if vbits == 16 else 8 // vbits)
     brv = _pow2_block(rvp, block_rv)
     chunks = (rv // rvp) * (rvp // brv)

@@ -37,14 +37,14 @@ def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 
     consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RK=rank, RV=rank,
                   RKPAD=cols, RVPAD=cols,
                   BITS_K=bits, BITS_V=bits, BLOCK_T=block_t, G=8, ASM=True, INT_KEYS=int_keys and bits != 16,
-                  s_kst=1, s_vst=1)
+                  SCORES_IN=False, s_kst=1, s_vst=1)
     divisible = dict(s_qb=32 * rank, s_qh=rank, s_kt=cols, s_kg=tokens * cols, s_kb=8 * tokens * cols,
                      s_vt=cols, s_vg=tokens * cols, s_vb=8 * tokens * cols,
                      s_ksb=8 * tokens, s_ksg=tokens, s_vsb=8 * tokens, s_vsg=tokens)
     names = _fused_norope.arg_names
     pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HV": "*u8" if bits != 16 else "*fp16",
                "HKS": "*fp16", "HKZ": "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
-               "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
+               "S": "*fp32", "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
     sig = {n: "constexpr" if n in consts else pointer.get(n, "fp32" if n == "qk_scale" else "i32")
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

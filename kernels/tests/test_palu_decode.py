@@ -9,7 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kernels.layout import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
-from kernels.palu_decode import one_pass_options, palu_decode, programs_per_sm  # noqa: E402
+from kernels.palu_decode import one_pass_options, palu_decode, programs_per_sm, qproj_options  # noqa: E402
 from kernels.reference import latent_decode_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,14 +57,33 @@ def test_bf16_latents_and_queries_match_reference(rope, fused):
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
-@pytest.mark.parametrize("rope", [True, False])
-def test_quantised_latents_match_dequantised_reference(bits, rope):
+@pytest.mark.parametrize("rope, fused", [(True, None), (True, False), (False, None)])
+def test_quantised_latents_match_dequantised_reference(bits, rope, fused):
+    # RoPE: values through the one-pass kernel reading the scores (None) or `_values` (False)
     q, hk, hv, bk, pos, invf = _case(1, 2, 1, 2, 45, rk=64, rv=64, rope=rope, seed=bits)
     qk, qv = quantize_latent(hk, bits), quantize_latent(hv, bits)
     kw = dict(scale=0.2, n_rep=2, group_size=1, bk=bk, positions=pos, inv_freq=invf)
     ref = latent_decode_reference(q, dequantize_latent(qk), dequantize_latent(qv), **kw)
-    out = palu_decode(q, qk, qv, splits=3, block_t=16, block_r=16, block_rv=16, **kw)
+    out = palu_decode(q, qk, qv, splits=3, block_t=16, block_r=16, block_rv=16, fused_block_t=16,
+                      fused=fused, **kw)
     assert _rel(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("bits", [16, 4, 2])
+def test_rope_g_lrd_rank_256_folded_scores_and_one_pass_values(bits):
+    # G-LRD group 4 at 50 %: key rank 256, the largest the folded-query kernel takes by default
+    # (its folded query, 64 KB in fp16, stays on-chip); ragged lengths, positions far from 0
+    q, hk, hv, bk, _, invf = _case(2, 1, 4, 1, 70, rk=256, rv=128, D=64, seed=bits)
+    if bits != 16:
+        hk, hv = quantize_latent(hk, bits), quantize_latent(hv, bits)
+    kw = dict(scale=0.15, n_rep=1, group_size=4, bk=bk, inv_freq=invf,
+              position_offset=torch.tensor([3, 30000], device=DEV),
+              lengths=torch.tensor([70, 41], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    new = palu_decode(q, hk, hv, splits=2, qproj_block_t=16, fused_block_t=16, **kw)
+    old = palu_decode(q, hk, hv, splits=2, qproj=False, fused=False, block_t=16, block_r=16,
+                      block_rv=16, **kw)
+    assert _rel(new, ref) < 5e-3 and _rel(old, ref) < 5e-3
 
 
 def test_ragged_batch_masks_each_tail_and_strided_cache_layout():
@@ -170,8 +189,10 @@ def test_one_pass_kernel_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match="RoPE keys are rebuilt"):
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, bk=bk, inv_freq=invf, fused=True)
     q, hk, hv, _, _, _ = _case(1, 1, 1, 1, 20, rk=1024, rv=32, rope=False)
-    with pytest.raises(ValueError, match=r"ranks \(k 1024, v 32\) x 16 rows too large for registers"):
+    with pytest.raises(ValueError, match="key rank 1024 too large for registers"):
         palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, fused=True)
+    with pytest.raises(ValueError, match=r"value rank 1024 x 16 rows too large for registers"):
+        palu_decode(q[..., :32], hv, hk, scale=1.0, n_rep=1, group_size=1, fused=True)
     out = palu_decode(q, hk, hv, scale=1.0, n_rep=1, group_size=1, block_r=64, block_rv=16)
     ref = latent_decode_reference(q, hk, hv, scale=1.0, n_rep=1, group_size=1)
     assert _rel(out, ref) < 5e-3   # auto: falls back to the two-pass kernels
@@ -324,7 +345,7 @@ def test_one_pass_kernel_launches_one_wave_of_splits(monkeypatch):
             return types.SimpleNamespace(n_regs=168, metadata=types.SimpleNamespace(num_warps=4, shared=43264))
 
         def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append((grid, args[11], args[12]))
+            return lambda *args, **meta: launches.append((grid, args[12], args[13]))
 
     props = types.SimpleNamespace(multi_processor_count=132, regs_per_multiprocessor=65536,
                                   shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
@@ -339,6 +360,15 @@ def test_one_pass_kernel_launches_one_wave_of_splits(monkeypatch):
     assert len(warmups) == 1                      # registers looked up once per specialisation
     (grid, per_split, splits), _ = launches
     assert grid == (8, 49) and splits == 49 and per_split * 49 >= 65536 > per_split * 48
+
+
+def test_folded_query_defaults_follow_the_measurements():
+    # kernels/NOTES.md session 5: fp16 on two warpgroups, packed latents on one (rank >= 128)
+    # or 32-token tiles on two warps (rank 64); explicit values win
+    assert qproj_options(16, 256) == (64, 3, 8)
+    assert qproj_options(4, 256) == (64, 3, 4) and qproj_options(2, 128) == (64, 3, 4)
+    assert qproj_options(4, 64) == (32, 3, 2)
+    assert qproj_options(4, 64, block_t=16, warps=4) == (16, 3, 4)
 
 
 def test_one_pass_defaults_follow_the_measurements():

@@ -109,8 +109,7 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
     qi, hk, hv, kw, c = palu_case(shape, B, T, s, kk, kv, bits, rope)
     if not rope:
         kw["bk"] = None
-    k = cfg["kernel"]
-    params = {**k, "stages": tuple(k["stages"]), "warps": tuple(k["warps"])}   # palu_decode kwargs
+    params = tune_params(cfg.get("kernel") or {})   # palu_decode keywords
     fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
     if T == cfg["check_length"] and B == 1:
         ref = latent_decode_reference(qi, hk, hv, **kw)
