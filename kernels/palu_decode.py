@@ -784,7 +784,7 @@ def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int |
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
                 positions=None, position_offset=None, inv_freq=None, lengths=None,
                 splits: int | None = None,
-                block_t: int = 32, block_r: int = 256, block_rv: int = 64,
+                block_t: int = 32, block_r: int | None = None, block_rv: int = 64,
                 stages: tuple[int, int] = (2, 3), warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int = 64, fused_stages: int | None = None,
                 fused_warps: int = 4, fused_maxnreg: int | None = None,
@@ -896,6 +896,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     M = max(16, triton.next_power_of_2(rows))
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata
+    if block_r is None:   # fp16 RoPE keys: B_k of rank <= 256 stays in registers (NOTES, session 5)
+        block_r = 256 if rope and kbits == 16 else 128
     br = _pow2_block(rk // (1 if kbits == 16 else 8 // kbits), block_r)
     if qproj:
         _scores_qproj[(B * units, splits)](
