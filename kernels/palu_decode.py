@@ -1,14 +1,16 @@
 """Triton decode attention over Palu latents (one query token per sequence).
 
-Three launches, flash-decoding style (the sequence is split across programs, then reduced):
-  1. `_scores`: per unit (a KV head for RoPE models, a group otherwise) and sequence split, load
-     latent-key tiles (fp16 or packed 2/4/8-bit, dequantised on-chip), rebuild the head's key tile
-     with B_k (RoPE) and rotate it for its positions, dot with the unit's query heads. Keys never
-     touch memory; only the scores (4 bytes per head per token) are written.
-  2. `_values`: per group, split and rank chunk: online softmax over the split's scores and
-     accumulation of the attention-weighted *latent* values (never rebuilt).
-  3. `_combine`: merge the splits' (max, sum, acc) into z [B, H, Rv].
-The caller maps z to the hidden size (fused o_proj, or B_v then o_proj).
+Flash-decoding style: the sequence is split across programs, then the splits are merged.
+  - Non-RoPE layers (small ranks): `_fused_norope`, one pass per tile (scores q~.h, online
+    softmax, accumulation of the attention-weighted *latent* values), then `_combine`.
+  - RoPE layers: a scores kernel writes base-2 scores (4 bytes per head per token), keys never
+    touch memory: `_scores_qproj` for MHA with contiguous positions (the query folded into B_k,
+    q . RoPE_t(B h) as cos/sin-weighted dots with h) or `_scores` (rebuild the head's key tile
+    with B_k and rotate it). Then `_fused_norope` with SCORES_IN accumulates the values, then
+    `_combine`.
+  - Layers too large for registers: `_scores`, `_values` (online softmax and value accumulation
+    per group, split and rank chunk), `_combine`.
+The caller maps z [B, H, Rv] to the hidden size (fused o_proj, or B_v then o_proj).
 """
 from __future__ import annotations
 
