@@ -167,13 +167,37 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
+def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k2, s,
+                RP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, PER_BYTE: tl.constexpr,
+                BITS: tl.constexpr, ROPE: tl.constexpr, ONE_CHUNK: tl.constexpr):
+    """One chunk of stored latent columns of a key tile: RoPE, the key halves k1, k2 += h B^T;
+    otherwise the scores s += q h^T."""
+    raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
+    for k in tl.static_range(PER_BYTE):
+        h = _unpack(raw, k, BITS)                                    # (BT, BR)
+        rcols = k * RP + cols                                          # rank indices
+        if ROPE:
+            if ONE_CHUNK:
+                b1, b2 = b1_all, b2_all
+            else:
+                b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
+                b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
+            k1 += tl.dot(h, tl.trans(b1))
+            k2 += tl.dot(h, tl.trans(b2))
+        else:
+            qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+            s += tl.dot(qf, tl.trans(h))
+    return k1, k2, s
+
+
+@triton.jit
 def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             T, tokens_per_split, qk_scale,
             s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_pb, s_ob, s_oh,
             UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
             ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
-            CONTIG: tl.constexpr):
+            CONTIG: tl.constexpr, DYN_CHUNKS: tl.constexpr):
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
     b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
     g = u // UNITS_PER_GROUP
@@ -209,6 +233,11 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         if ONE_CHUNK:
             b1_all = tl.load(b_rows + offs_r[None, :]).to(tl.float16)
             b2_all = tl.load(b_rows + HALF * R + offs_r[None, :]).to(tl.float16)
+    if not ROPE:   # placeholders (unused)
+        b_rows = q_rows
+    if not (ROPE and ONE_CHUNK):
+        b1_all = tl.zeros([HALF, BLOCK_R], tl.float16)
+        b2_all = b1_all
     # Zero-point term of folded quantisation: B_k 1 (RoPE) or sum(q) (non-RoPE), per row.
     zsum1 = tl.zeros([HALF], tl.float32)
     zsum2 = tl.zeros([HALF], tl.float32)
@@ -227,28 +256,17 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         k_ptr = HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt
         if BITS != 16:
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
-        if ROPE:
-            k1 = tl.zeros([BLOCK_T, HALF], tl.float32)
-            k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
+        k1 = tl.zeros([BLOCK_T, HALF], tl.float32)   # RoPE: the key tile's halves
+        k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
+        s = tl.zeros([M, BLOCK_T], tl.float32)       # otherwise: the scores
+        if DYN_CHUNKS:   # a loop, not unrolled: the pipeliner buffers one chunk's loads, not all
+            for c0 in range(0, RP, BLOCK_R):
+                k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK)
         else:
-            s = tl.zeros([M, BLOCK_T], tl.float32)
-        for c0 in tl.static_range(0, RP, BLOCK_R):
-            cols = c0 + offs_r
-            raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
-            for k in tl.static_range(PER_BYTE):
-                h = _unpack(raw, k, BITS)                                    # (BT, BR)
-                rcols = k * RP + cols                                          # rank indices
-                if ROPE:
-                    if ONE_CHUNK:
-                        b1, b2 = b1_all, b2_all
-                    else:
-                        b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
-                        b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
-                    k1 += tl.dot(h, tl.trans(b1))
-                    k2 += tl.dot(h, tl.trans(b2))
-                else:
-                    qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
-                    s += tl.dot(qf, tl.trans(h))
+            for c0 in tl.static_range(0, RP, BLOCK_R):
+                k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK)
         if BITS != 16:   # fold the per-token scale and zero point back in
             if ROPE:
                 k1 = k1 * sc[:, None] - (sc * zp)[:, None] * zsum1[None, :]
@@ -694,6 +712,24 @@ def _resident_programs(compiled, dev) -> int:
         p.regs_per_multiprocessor, p.shared_memory_per_multiprocessor, p.max_threads_per_multi_processor)
 
 
+_DYNAMIC: dict = {}   # (device, `_scores` specialisation) -> chunk loop not unrolled
+
+
+def _dynamic_chunks(grid, args, meta, dev) -> bool:
+    """Whether `_scores` must loop over its rank chunks instead of unrolling them: unrolled,
+    the pipeliner buffers every chunk's loads, which for large ranks (J-LRD: rank 2048 needs
+    656 KB with RoPE) exceeds an SM's shared memory. Decided by compiling the unrolled variant
+    once per specialisation; the interpreter (no shared memory) unrolls."""
+    if not _use_asm(dev):
+        return False
+    key = (dev, tuple(meta.items()))
+    if key not in _DYNAMIC:
+        compiled = _scores.warmup(*args, grid=grid, DYN_CHUNKS=False, **meta)
+        limit = getattr(torch.cuda.get_device_properties(dev), "shared_memory_per_block_optin", 232448)
+        _DYNAMIC[key] = compiled.metadata.shared > limit
+    return _DYNAMIC[key]
+
+
 def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(tokens per split, splits): whole tiles per split, no empty split."""
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
@@ -910,15 +946,16 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
             BLOCK_T=qproj_block_t, NUM_UNITS=units, ASM=_use_asm(dev),
             num_stages=qproj_stages, num_warps=qproj_warps)
     else:
-        _scores[(B * units, splits)](
-            q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
-            T, per_split, scale * LOG2E,
-            q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
-            ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1),
-            UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
-            HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
-            BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig,
-            num_stages=stages[0], num_warps=warps[0])
+        grid = (B * units, splits)
+        args = (q, kdata, kscale, kzero, bk if rope else q, positions, pos0, inv_freq, S, lengths,
+                T, per_split, scale * LOG2E,
+                q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
+                ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1))
+        meta = dict(UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
+                    HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
+                    BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig,
+                    num_stages=stages[0], num_warps=warps[0])
+        _scores[grid](*args, DYN_CHUNKS=_dynamic_chunks(grid, args, meta, dev), **meta)
     if fused is not False and not _values_unfit(rv, vbits, mv):
         # the values half through the one-pass kernel (one wave, v9 unpacking, whole ranks)
         return _run_fused(q, q, q, q, 16, vdata, vscale, vzero, vbits, lengths, scale, B, G, T, H,

@@ -7,6 +7,7 @@ can check that the inline PTX in `palu_decode` assembles. The counts depend on t
 (the H200 runs in kernels/NOTES.md used triton 3.6).
 
     python -m kernels.sass            # table for fp16 / 8 / 4 / 2-bit latents, Llama-2 g4 shapes
+    python -m kernels.sass --scores   # shared memory of the two-pass scores kernel at large ranks
 """
 from __future__ import annotations
 
@@ -14,24 +15,37 @@ import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .palu_decode import _fused_norope
+from .palu_decode import _fused_norope, _scores
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);")
+
+
+def _compile(fn, consts: dict, pointer: dict, divisible: dict, warps: int, stages: int, arch: int):
+    if not hasattr(fn, "cache_key"):
+        raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; compiling needs "
+                           "TRITON_INTERPRET=0 (e.g. a fresh `python -m kernels.sass`)")
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in consts else pointer.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n in pointer or (n in divisible and divisible[n] % 16 == 0)}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
 
 
 def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 64,
                   warps: int = 4, stages: int = 3, tokens: int = 65536, arch: int = 90,
                   int_keys: bool = False):
     """`_fused_norope` for one group size / width, specialised as a contiguous cache would be."""
-    if not hasattr(_fused_norope, "cache_key"):
-        raise RuntimeError("kernels were imported under TRITON_INTERPRET=1; compiling needs "
-                           "TRITON_INTERPRET=0 (e.g. a fresh `python -m kernels.sass`)")
     per = 1 if bits == 16 else 8 // bits
     cols = rank // per
     consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RK=rank, RV=rank,
@@ -41,18 +55,27 @@ def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 
     divisible = dict(s_qb=32 * rank, s_qh=rank, s_kt=cols, s_kg=tokens * cols, s_kb=8 * tokens * cols,
                      s_vt=cols, s_vg=tokens * cols, s_vb=8 * tokens * cols,
                      s_ksb=8 * tokens, s_ksg=tokens, s_vsb=8 * tokens, s_vsg=tokens)
-    names = _fused_norope.arg_names
-    pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HV": "*u8" if bits != 16 else "*fp16",
-               "HKS": "*fp16", "HKZ": "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
-               "S": "*fp32", "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
-    sig = {n: "constexpr" if n in consts else pointer.get(n, "fp32" if n == "qk_scale" else "i32")
-           for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n in pointer or (n in divisible and divisible[n] % 16 == 0)}
-    src = ASTSource(fn=_fused_norope, signature=sig, attrs=attrs,
-                    constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+    packed = "*u8" if bits != 16 else "*fp16"
+    pointer = {"Q": "*fp16", "HK": packed, "HV": packed, "HKS": "*fp16", "HKZ": "*fp16", "HVS": "*fp16",
+               "HVZ": "*fp16", "S": "*fp32", "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
+    return _compile(_fused_norope, consts, pointer, divisible, warps, stages, arch)
+
+
+def compile_scores(bits: int = 16, rank: int = 2048, rope: bool = True, dynamic: bool = False,
+                   block_r: int | None = None, arch: int = 90):
+    """The two-pass `_scores` kernel (llama2 shapes, MHA, palu_decode's default tiles), its rank
+    chunks unrolled or (dynamic) looped."""
+    rows, units = (1, 32) if rope else (32, 1)
+    block_r = block_r or (256 if rope and bits == 16 else 128)
+    consts = dict(UNITS_PER_GROUP=units, ROWS=rows, M=max(16, rows), R=rank, BLOCK_R=block_r,
+                  HALF=64 if rope else 16, ROPE=rope, BITS=bits, BLOCK_T=32, NUM_UNITS=units,
+                  CONTIG=True, DYN_CHUNKS=dynamic, s_st=1)
+    pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HKS": "*fp16", "HKZ": "*fp16",
+               "BK": "*fp16", "POS": "*i32", "POS0": "*i32", "INVF": "*fp32", "S": "*fp32", "LENS": "*i32"}
+    cols = rank // (1 if bits == 16 else 8 // bits)
+    divisible = dict(s_qb=32 * 128, s_qh=128, s_kt=cols, s_kg=65536 * cols, s_kb=65536 * cols,
+                     s_sb=65536, s_sg=65536, s_ob=32 * 65536, s_oh=65536)
+    return _compile(_scores, consts, pointer, divisible, 4, 2, arch)
 
 
 def _tool(name: str) -> str:
@@ -82,7 +105,19 @@ def loop_profile(kernel) -> dict:
             "loop_instructions": sum(ops.values()), "ops": ops}
 
 
+def _shared_table():
+    print("two-pass `_scores`, shared memory in bytes (an H100/H200 SM: 232448 per block)")
+    print(f"{'rope':>5} {'bits':>4} {'rank':>5} {'unrolled':>9} {'loop':>7}")
+    for rope, bits, rank in ((True, 16, 2048), (True, 4, 2048), (True, 16, 1024), (False, 16, 2048),
+                             (True, 16, 512)):
+        unrolled, loop = (compile_scores(bits, rank, rope, dyn).metadata.shared for dyn in (False, True))
+        print(f"{str(rope):>5} {bits:4d} {rank:5d} {unrolled:9d} {loop:7d}")
+
+
 if __name__ == "__main__":
+    if "--scores" in sys.argv:
+        _shared_table()
+        sys.exit()
     print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
           "64-token tiles, 4 warps")
     print(f"{'bits':>4} {'keys':>5} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10}  top opcodes")

@@ -69,6 +69,60 @@ def test_quantised_latents_match_dequantised_reference(bits, rope, fused):
     assert _rel(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("bits", [16, 4])
+def test_scores_kernel_chunk_loop_matches_unrolled_chunks(rope, bits, monkeypatch):
+    # large ranks (J-LRD) loop over rank chunks instead of unrolling them (shared memory); on a
+    # GPU `_dynamic_chunks` decides by compiling, here it is forced
+    import kernels.palu_decode as pd
+    q, hk, hv, bk, pos, invf = _case(2, 1, 2, 1, 50, rk=128, rv=32, rope=rope, seed=bits + 7)
+    if bits != 16:
+        hk = quantize_latent(hk, bits)
+    kw = dict(scale=0.2, n_rep=1, group_size=2, bk=bk, positions=pos, inv_freq=invf,
+              lengths=torch.tensor([50, 29], device=DEV))
+    run = lambda: palu_decode(q, hk, hv, splits=2, block_t=16, block_r=16, block_rv=16,  # noqa: E731
+                              fused=False, qproj=False, **kw)
+    unrolled = run()
+    monkeypatch.setattr(pd, "_dynamic_chunks", lambda *a: True)
+    looped = run()
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    assert _rel(looped, ref) < 5e-3 and _rel(looped, unrolled) < 1e-5
+
+
+@pytest.mark.parametrize("shared, looped", [(655872, True), (82432, False)])
+def test_scores_chunk_loop_is_chosen_by_the_compiled_shared_memory(shared, looped, monkeypatch):
+    # The GPU-only branch of `_dynamic_chunks`, compiler and device faked: the unrolled variant
+    # is compiled once per specialisation and replaced by the loop when it would not fit an SM.
+    import types
+    import kernels.palu_decode as pd
+    warmups, launches = [], []
+
+    class FakeScores:
+        def warmup(self, *args, grid, **meta):
+            warmups.append(meta["DYN_CHUNKS"])
+            return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=shared))
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta["DYN_CHUNKS"])
+
+    class NoValues:   # the values kernel is not under test
+        def __getitem__(self, grid):
+            return lambda *args, **meta: None
+
+    props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=232448)
+    monkeypatch.setattr(pd, "_scores", FakeScores())
+    monkeypatch.setattr(pd, "_use_asm", lambda dev: True)
+    monkeypatch.setattr(pd, "_DYNAMIC", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(pd, "_launch_combine", lambda *a: None)
+    monkeypatch.setattr(pd, "_values", NoValues())
+    q, hk, hv, bk, _, invf = _case(1, 1, 2, 1, 40, rk=64, rv=32)
+    for _ in range(2):
+        pd.palu_decode(q, hk, hv, scale=0.1, n_rep=1, group_size=2, bk=bk, inv_freq=invf,
+                       fused=False, qproj=False)
+    assert warmups == [False] and launches == [looped, looped]
+
+
 @pytest.mark.parametrize("bits", [16, 4, 2])
 def test_rope_g_lrd_rank_256_folded_scores_and_one_pass_values(bits):
     # G-LRD group 4 at 50 %: key rank 256, the largest the folded-query kernel takes by default

@@ -21,3 +21,19 @@ def test_one_pass_kernel_with_inline_ptx_compiles_for_sm90():
     for bits in (8, 4, 2):   # the asm's byte permutes and the tensor-core dots are in the loop
         assert "PRMT" in rows[bits, "fp16"] and "HMMA" in rows[bits, "fp16"]
         assert "IMMA" in rows[bits, "int8"]      # int8 key dots (fused_int_keys)
+
+
+def test_large_rank_scores_loop_over_chunks_to_fit_shared_memory():
+    # J-LRD (all heads one group, rank 2048): unrolled, the two-pass scores kernel asks for more
+    # shared memory than an SM has (the H200 grid recorded "out of resource: shared memory");
+    # `palu_decode` then compiles the chunk loop instead (`_dynamic_chunks`), which fits.
+    code = ("from kernels.sass import compile_scores as c; "
+            "print(c(16, 2048, False, False).metadata.shared, c(16, 2048, True, True).metadata.shared, "
+            "c(4, 2048, True, True).metadata.shared)")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    unrolled, rope_loop, rope_int4_loop = map(int, out.stdout.split())
+    limit = 232448   # bytes per block on an H100/H200 SM
+    assert unrolled > limit and rope_loop <= limit and rope_int4_loop <= limit
