@@ -194,3 +194,24 @@ def test_packed_cache_follows_beam_search_and_crop():
     assert layer.key_sz.shape[:2] == layer.positions.shape == (layer.keys.shape[0], T)
     cache.crop(-2)
     assert layer.get_seq_length() == T - 2 == layer.key_sz.shape[1] == layer.positions.shape[1]
+
+
+def test_head_dim_the_kernels_cannot_rotate_takes_the_torch_path(monkeypatch):
+    # head_dim 96 (a multiple of 32, but halves of 48): the kernels would refuse it with an
+    # error; the decode step must take the torch path instead, also when the kernels are forced
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=384, intermediate_size=96,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=4, head_dim=96)).eval()
+    palu.compress(base, torch.randint(0, 97, (2, 16)), kept_ratio=0.5, group_size=1, multiple=16,
+                  progress=False)
+    ids = torch.randint(0, 97, (1, 5))
+    _set_backend(base, "torch")
+    ref = _decode_logits(base, ids, steps=2)
+    _set_backend(base, "triton")
+    from palu.attention.kernel_backend import can_use_kernel
+    attn = next(m for m in base.modules() if isinstance(m, PaluAttention))
+    assert "head_dim 96" in can_use_kernel(attn, torch.zeros(1, 1, 384), None)
+    out = _decode_logits(base, ids, steps=2)
+    assert torch.allclose(out, ref)

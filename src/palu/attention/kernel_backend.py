@@ -2,7 +2,7 @@
 
 `backend="auto"` uses it for one-token decode steps of fp16/bf16 models on CUDA when the kernel
 can serve the layer (uniform ranks across groups, no padding mask, no RoPE attention scaling,
-head_dim a multiple of 32); everything else takes the torch reference path. RoPE scaling types
+RoPE head_dim 32, 64, 128, ...); everything else takes the torch reference path. RoPE scaling types
 that only change the frequencies (linear, llama3, dynamic NTK) are served: the kernels read
 inv_freq from the model's rotary module at each step; YaRN / LongRoPE also scale the logits
 (attention_scaling != 1) and take the torch path. Palu re-rotates every cached key each step,
@@ -35,8 +35,11 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
         return "padding mask"
     if attn.geom.rope:
         rotary = attn._rotary[0]
-        if getattr(rotary, "attention_scaling", 1.0) != 1.0 or attn.geom.head_dim % 32:
-            return "rope scaling with attention_scaling or head_dim not a multiple of 32"
+        if getattr(rotary, "attention_scaling", 1.0) != 1.0:
+            return "rope scaling with attention_scaling (YaRN / LongRoPE scale the logits)"
+        half = attn.geom.head_dim // 2
+        if attn.geom.head_dim % 2 or half < 16 or half & (half - 1):
+            return f"head_dim {attn.geom.head_dim}: the kernels rotate halves of a power of two >= 16"
     return None
 
 
