@@ -136,7 +136,13 @@ def _query_cols(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.cons
 def _query_int8(q_rows, row_ok, k: tl.constexpr, RKP: tl.constexpr, PAD: tl.constexpr, inv_sq):
     """Query columns of part k as two int8 digits (q ~ sq (hi + lo / 256)): an int8 dot per
     digit gives the query 16 bits of precision relative to its row maximum."""
-    x = _query_cols(q_rows, row_ok, k, RKP, PAD) * inv_sq[:, None]
+    return _digits(_query_cols(q_rows, row_ok, k, RKP, PAD) * inv_sq[:, None])
+
+
+@triton.jit
+def _digits(x):
+    """x (|x| <= 127, per row) as two int8 digits, x ~ hi + lo / 256, and the rows' sums of
+    what the digits represent (zero-point terms that then cancel exactly)."""
     hi = tl.floor(x + 0.5)
     lo = tl.minimum(tl.maximum(tl.floor((x - hi) * 256.0 + 0.5), -127.0), 127.0)
     return hi.to(tl.int8), lo.to(tl.int8), tl.sum(hi, 1) + tl.sum(lo, 1) * (1.0 / 256.0)
@@ -302,25 +308,52 @@ def _fold_query(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr, k: t
     """Rows f of a = q1_f B1_f + q2_f B2_f and c = q2_f B1_f - q1_f B2_f (rank columns rcols of
     packed part k, divided by the part's weight 2^(k BITS), see `_unpack_part`), and the row sums
     of the undivided fp16 rows (zero-point terms)."""
-    b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16).to(tl.float32)
-    b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16).to(tl.float32)
-    a = (q1[:, None] * b1 + q2[:, None] * b2).to(tl.float16).to(tl.float32)
-    c = (q2[:, None] * b1 - q1[:, None] * b2).to(tl.float16).to(tl.float32)
+    a, c = _fold_f32(b_rows, q1, q2, rcols, HALF, R)
+    a = a.to(tl.float16).to(tl.float32)
+    c = c.to(tl.float16).to(tl.float32)
     w = 1.0 / (1 << (k * BITS)) if BITS != 16 else 1.0
     return (a * w).to(tl.float16), (c * w).to(tl.float16), tl.sum(a, 1), tl.sum(c, 1)
+
+
+@triton.jit
+def _fold_f32(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr):
+    """Rows f of a = q1_f B1_f + q2_f B2_f and c = q2_f B1_f - q1_f B2_f, float32."""
+    b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16).to(tl.float32)
+    b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16).to(tl.float32)
+    return q1[:, None] * b1 + q2[:, None] * b2, q2[:, None] * b1 - q1[:, None] * b2
+
+
+@triton.jit
+def _fold_digits(b_rows, q1, q2, rcols, HALF: tl.constexpr, R: tl.constexpr, inv_a, inv_c):
+    """The folded query's columns rcols as int8 digits (`_digits`, rows scaled by inv_a / inv_c)."""
+    a, c = _fold_f32(b_rows, q1, q2, rcols, HALF, R)
+    ah, al, za = _digits(a * inv_a[:, None])
+    ch, cl, zc = _digits(c * inv_c[:, None])
+    return ah, al, ch, cl, za, zc
+
+
+@triton.jit
+def _int8_fold_dots(n, ah, ch, ia, ic):
+    return (tl.dot(n, tl.trans(ah), ia, out_dtype=tl.int32),
+            tl.dot(n, tl.trans(ch), ic, out_dtype=tl.int32))
 
 
 @triton.jit
 def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk_scale,
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_ob, s_oh,
                   UNITS_PER_GROUP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
-                  BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr, ASM: tl.constexpr):
+                  BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr, ASM: tl.constexpr,
+                  INT_H: tl.constexpr):
     """RoPE scores with one query per KV head (MHA), contiguous positions, key rank <= 256.
 
     q . RoPE_t(B h) = sum_f cos(t th_f) (a_f . h) + sin(t th_f) (c_f . h) with
     a_f = q1_f B1_f + q2_f B2_f and c_f = q2_f B1_f - q1_f B2_f. The query is folded into B once
     per program, so a tile is two [BT, r] x [r, D/2] dots and a cos/sin-weighted row sum: keys
     are never formed and never rotated (the reference path rebuilds and rotates every key).
+    INT_H (packed latents): int8 tensor-core dots of the stored fields (`_field_int8`) with the
+    folded query as two int8 digits per row (16 bits of precision relative to the row maximum),
+    instead of unpacking to fp16; both digits accumulate in one int32 (hi 256 + lo: < 2^31 for
+    rank <= 256).
     """
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
     b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
@@ -334,15 +367,39 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
     q1 = tl.load(Q + b * s_qb + u * s_qh + offs_h).to(tl.float16).to(tl.float32)
     q2 = tl.load(Q + b * s_qb + u * s_qh + HALF + offs_h).to(tl.float16).to(tl.float32)
     b_rows = BK + g * (UNITS_PER_GROUP * 2 * HALF * R) + (jl * 2 * HALF + offs_h)[:, None] * R
-    a0, c0, za, zc = _fold_query(b_rows, q1, q2, cols, HALF, R, 0, BITS)
-    a1, c1, a2, c2, a3, c3 = a0, c0, a0, c0, a0, c0
-    if PER > 1:
-        a1, c1, za1, zc1 = _fold_query(b_rows, q1, q2, RP + cols, HALF, R, 1, BITS)
-        za, zc = za + za1, zc + zc1
-    if PER > 2:
-        a2, c2, za2, zc2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R, 2, BITS)
-        a3, c3, za3, zc3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R, 3, BITS)
-        za, zc = za + za2 + za3, zc + zc2 + zc3
+    if INT_H:
+        amax = tl.zeros([HALF], tl.float32)
+        cmax = tl.zeros([HALF], tl.float32)
+        for k in tl.static_range(PER):   # row maxima over all parts first: one scale per row
+            a, c = _fold_f32(b_rows, q1, q2, k * RP + cols, HALF, R)
+            amax = tl.maximum(amax, tl.max(tl.abs(a), 1))
+            cmax = tl.maximum(cmax, tl.max(tl.abs(c), 1))
+        inv_a = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+        inv_c = tl.where(cmax > 0, 127.0 / tl.maximum(cmax, 1e-30), 0.0)
+        ah0, al0, ch0, cl0, za, zc = _fold_digits(b_rows, q1, q2, cols, HALF, R, inv_a, inv_c)
+        ah1, al1, ch1, cl1 = ah0, al0, ch0, cl0
+        ah2, al2, ch2, cl2, ah3, al3, ch3, cl3 = ah0, al0, ch0, cl0, ah0, al0, ch0, cl0
+        if PER > 1:
+            ah1, al1, ch1, cl1, za1, zc1 = _fold_digits(b_rows, q1, q2, RP + cols, HALF, R, inv_a, inv_c)
+            za, zc = za + za1, zc + zc1
+        if PER > 2:
+            ah2, al2, ch2, cl2, za2, zc2 = _fold_digits(b_rows, q1, q2, 2 * RP + cols, HALF, R, inv_a, inv_c)
+            ah3, al3, ch3, cl3, za3, zc3 = _fold_digits(b_rows, q1, q2, 3 * RP + cols, HALF, R, inv_a, inv_c)
+            za, zc = za + za2 + za3, zc + zc2 + zc3
+        # one unit of the int32 accumulators (hi 256 + lo) is worth wa / wc; za, zc in those units
+        # are the sums of the query the int8 dots see, so the zero points cancel exactly
+        wa, wc = amax * (1.0 / (127.0 * 256.0)), cmax * (1.0 / (127.0 * 256.0))
+        za, zc = za * 256.0, zc * 256.0
+    else:
+        a0, c0, za, zc = _fold_query(b_rows, q1, q2, cols, HALF, R, 0, BITS)
+        a1, c1, a2, c2, a3, c3 = a0, c0, a0, c0, a0, c0
+        if PER > 1:
+            a1, c1, za1, zc1 = _fold_query(b_rows, q1, q2, RP + cols, HALF, R, 1, BITS)
+            za, zc = za + za1, zc + zc1
+        if PER > 2:
+            a2, c2, za2, zc2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R, 2, BITS)
+            a3, c3, za3, zc3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R, 3, BITS)
+            za, zc = za + za2 + za3, zc + zc2 + zc3
     inv_freq = tl.load(INVF + offs_h)
     ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
     ci, si = tl.cos(ang_i), tl.sin(ang_i)
@@ -354,32 +411,65 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
         t_ok = offs_t < t_end
         raw = tl.load(HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt + cols[None, :],
                       mask=t_ok[:, None], other=0)
-        if BITS == 16:
-            h = raw.to(tl.float16)
-        else:   # part k as n 2^(k BITS): its weight is divided out of a_k, c_k
-            h = _unpack_part(raw, 0, BITS, ASM)
-        ua = tl.dot(h, tl.trans(a0))
-        uc = tl.dot(h, tl.trans(c0))
-        if PER > 1:
-            h = _unpack_part(raw, 1, BITS, ASM)
-            ua += tl.dot(h, tl.trans(a1))
-            uc += tl.dot(h, tl.trans(c1))
-        if PER > 2:
-            h = _unpack_part(raw, 2, BITS, ASM)
-            ua += tl.dot(h, tl.trans(a2))
-            uc += tl.dot(h, tl.trans(c2))
-            h = _unpack_part(raw, 3, BITS, ASM)
-            ua += tl.dot(h, tl.trans(a3))
-            uc += tl.dot(h, tl.trans(c3))
-        if BITS != 16:
+        if INT_H:   # high digits of all parts, x 256, then the low digits
+            n0 = _field_int8(raw, 0, BITS, ASM)
+            n1, n2, n3 = n0, n0, n0
+            ia = tl.zeros([BLOCK_T, HALF], tl.int32)
+            ic = tl.zeros([BLOCK_T, HALF], tl.int32)
+            ia, ic = _int8_fold_dots(n0, ah0, ch0, ia, ic)
+            if PER > 1:
+                n1 = _field_int8(raw, 1, BITS, ASM)
+                ia, ic = _int8_fold_dots(n1, ah1, ch1, ia, ic)
+            if PER > 2:
+                n2 = _field_int8(raw, 2, BITS, ASM)
+                n3 = _field_int8(raw, 3, BITS, ASM)
+                ia, ic = _int8_fold_dots(n2, ah2, ch2, ia, ic)
+                ia, ic = _int8_fold_dots(n3, ah3, ch3, ia, ic)
+            ia, ic = _int8_fold_dots(n0, al0, cl0, ia * 256, ic * 256)
+            if PER > 1:
+                ia, ic = _int8_fold_dots(n1, al1, cl1, ia, ic)
+            if PER > 2:
+                ia, ic = _int8_fold_dots(n2, al2, cl2, ia, ic)
+                ia, ic = _int8_fold_dots(n3, al3, cl3, ia, ic)
+            # score = s_t sum_f cos_f wa_f (ia - z_t ZA_f) + sin_f wc_f (ic - z_t ZC_f): the digit
+            # units wa, wc ride on the tile's cos/sin (per-column factors of the recurrence), the
+            # per-token scale multiplies the row sum, so an element costs two conversions and four FMAs
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
-            ua = ua * sc[:, None] - (sc * zp)[:, None] * za[None, :]
-            uc = uc * sc[:, None] - (sc * zp)[:, None] * zc[None, :]
-        cos = ci * ca[None, :] - si * sa[None, :]
-        sin = si * ca[None, :] + ci * sa[None, :]
-        ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
-        sv = tl.sum(cos * ua + sin * uc, 1) * qk_scale
-        tl.store(S + b * s_ob + u * s_oh + offs_t, sv, mask=t_ok)
+            if BITS == 8:
+                zp = zp - 128.0      # the fields are n - 128
+            cw = ci * (ca * wa)[None, :] - si * (sa * wa)[None, :]
+            sw = si * (ca * wc)[None, :] + ci * (sa * wc)[None, :]
+            ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
+            sv = tl.sum(cw * (ia.to(tl.float32) - zp[:, None] * za[None, :])
+                        + sw * (ic.to(tl.float32) - zp[:, None] * zc[None, :]), 1)
+            tl.store(S + b * s_ob + u * s_oh + offs_t, sv * sc * qk_scale, mask=t_ok)
+        else:
+            if BITS == 16:
+                h = raw.to(tl.float16)
+            else:   # part k as n 2^(k BITS): its weight is divided out of a_k, c_k
+                h = _unpack_part(raw, 0, BITS, ASM)
+            ua = tl.dot(h, tl.trans(a0))
+            uc = tl.dot(h, tl.trans(c0))
+            if PER > 1:
+                h = _unpack_part(raw, 1, BITS, ASM)
+                ua += tl.dot(h, tl.trans(a1))
+                uc += tl.dot(h, tl.trans(c1))
+            if PER > 2:
+                h = _unpack_part(raw, 2, BITS, ASM)
+                ua += tl.dot(h, tl.trans(a2))
+                uc += tl.dot(h, tl.trans(c2))
+                h = _unpack_part(raw, 3, BITS, ASM)
+                ua += tl.dot(h, tl.trans(a3))
+                uc += tl.dot(h, tl.trans(c3))
+            if BITS != 16:
+                sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
+                ua = ua * sc[:, None] - (sc * zp)[:, None] * za[None, :]
+                uc = uc * sc[:, None] - (sc * zp)[:, None] * zc[None, :]
+            cos = ci * ca[None, :] - si * sa[None, :]
+            sin = si * ca[None, :] + ci * sa[None, :]
+            ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
+            sv = tl.sum(cos * ua + sin * uc, 1) * qk_scale
+            tl.store(S + b * s_ob + u * s_oh + offs_t, sv, mask=t_ok)
 
 
 @triton.jit
@@ -828,7 +918,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 fused_warps: int = 4, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
-                qproj_warps: int | None = None) -> torch.Tensor:
+                qproj_warps: int | None = None, qproj_int: bool = False) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -841,7 +931,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     MHA with contiguous positions and key rank <= 256) and, unless `fused=False` or the value
     rank is too large, accumulate values with the one-pass kernel reading those scores
     (`qproj_*=None`: the measured tiles of `qproj_options`; `block_t`, `block_r`, `stages` and
-    `warps` are those of `_scores` and `_values`, tuned in kernels/NOTES.md);
+    `warps` are those of `_scores` and `_values`, tuned in kernels/NOTES.md; `qproj_int`: packed
+    keys through int8 tensor-core dots in the folded-query kernel, off by default: not yet timed);
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
     tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
@@ -920,6 +1011,12 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
+    if qproj_int and not (kbits != 16 and rkp >= 32 and rkp & (rkp - 1) == 0):
+        raise ValueError(f"qproj_int needs packed keys with a power-of-two number >= 32 of stored "
+                         f"columns (key rank {rk}, {kbits}-bit)")
+    if qproj_int and not qproj:
+        raise ValueError("qproj_int needs the folded-query kernel (RoPE, one query per KV head, "
+                         "contiguous positions, key rank <= 256)")
     if qproj:
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
@@ -943,7 +1040,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
             q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
             ks.stride(0), ks.stride(1), ks.stride(2), S.stride(0), S.stride(1),
             UNITS_PER_GROUP=units_per_group, R=rk, HALF=q.shape[-1] // 2, BITS=kbits,
-            BLOCK_T=qproj_block_t, NUM_UNITS=units, ASM=_use_asm(dev),
+            BLOCK_T=qproj_block_t, NUM_UNITS=units, ASM=_use_asm(dev), INT_H=bool(qproj_int),
             num_stages=qproj_stages, num_warps=qproj_warps)
     else:
         grid = (B * units, splits)

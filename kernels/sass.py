@@ -8,6 +8,7 @@ can check that the inline PTX in `palu_decode` assembles. The counts depend on t
 
     python -m kernels.sass            # table for fp16 / 8 / 4 / 2-bit latents, Llama-2 g4 shapes
     python -m kernels.sass --scores   # shared memory of the two-pass scores kernel at large ranks
+    python -m kernels.sass --qproj    # the folded-query RoPE scores kernel, fp16 vs int8 dots
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .palu_decode import _fused_norope, _scores
+from .palu_decode import _fused_norope, _scores, _scores_qproj
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);")
 
@@ -78,6 +79,19 @@ def compile_scores(bits: int = 16, rank: int = 2048, rope: bool = True, dynamic:
     return _compile(_scores, consts, pointer, divisible, 4, 2, arch)
 
 
+def compile_qproj(bits: int = 4, rank: int = 256, int_h: bool = False, block_t: int = 64,
+                  warps: int = 4, stages: int = 3, arch: int = 90):
+    """The folded-query RoPE scores kernel `_scores_qproj` (llama2 shapes, MHA, group of 4)."""
+    cols = rank // (1 if bits == 16 else 8 // bits)
+    consts = dict(UNITS_PER_GROUP=4, R=rank, HALF=64, BITS=bits, BLOCK_T=block_t, NUM_UNITS=32,
+                  ASM=True, INT_H=int_h, s_st=1)
+    pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HKS": "*fp16", "HKZ": "*fp16",
+               "BK": "*fp16", "POS0": "*i32", "INVF": "*fp32", "S": "*fp32", "LENS": "*i32"}
+    divisible = dict(s_qb=32 * 128, s_qh=128, s_kt=cols, s_kg=65536 * cols, s_kb=8 * 65536 * cols,
+                     s_sb=8 * 65536, s_sg=65536, s_ob=32 * 65536, s_oh=65536, tokens_per_split=64)
+    return _compile(_scores_qproj, consts, pointer, divisible, warps, stages, arch)
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -114,9 +128,24 @@ def _shared_table():
         print(f"{str(rope):>5} {bits:4d} {rank:5d} {unrolled:9d} {loop:7d}")
 
 
+def _qproj_table():
+    print("folded-query RoPE scores `_scores_qproj`, rank 256 (G-LRD-4) and 64 (M-LRD), 64/32-token tiles")
+    print(f"{'bits':>4} {'rank':>4} {'dots':>5} {'tile':>7} {'regs':>5} {'loop':>5}  top opcodes")
+    for bits, rank, int_h, bt, warps in ((16, 256, False, 64, 8), (4, 256, False, 64, 4), (4, 256, True, 64, 4),
+                                         (2, 256, False, 64, 4), (2, 256, True, 64, 4),
+                                         (4, 64, False, 32, 2), (4, 64, True, 32, 2)):
+        p = loop_profile(compile_qproj(bits, rank, int_h, bt, warps))
+        top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(8))
+        print(f"{bits:4d} {rank:4d} {'int8' if int_h else 'fp16':>5} {f'{bt}/{warps}w':>7} "
+              f"{p['registers']:5d} {p['loop_instructions']:5d}  {top}")
+
+
 if __name__ == "__main__":
     if "--scores" in sys.argv:
         _shared_table()
+        sys.exit()
+    if "--qproj" in sys.argv:
+        _qproj_table()
         sys.exit()
     print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
           "64-token tiles, 4 warps")

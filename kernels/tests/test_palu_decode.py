@@ -123,6 +123,29 @@ def test_scores_chunk_loop_is_chosen_by_the_compiled_shared_memory(shared, loope
     assert warmups == [False] and launches == [looped, looped]
 
 
+@pytest.mark.parametrize("bits, rk", [(8, 64), (4, 64), (4, 256), (2, 128)])
+def test_folded_query_int8_dots_match_reference_and_fp16_unpack(bits, rk):
+    # qproj_int: stored fields straight into int8 dots, the folded query as two int8 digits per
+    # row; positions far from 0 and a ragged batch; 8-bit fields are n - 128
+    q, hk, hv, bk, _, invf = _case(2, 1, 2, 1, 53, rk=rk, rv=32, D=64, seed=bits + rk)
+    hk = quantize_latent(hk, bits)
+    kw = dict(scale=0.15, n_rep=1, group_size=2, bk=bk, inv_freq=invf,
+              position_offset=torch.tensor([7, 40000], device=DEV),
+              lengths=torch.tensor([53, 20], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    run = lambda **o: palu_decode(q, hk, hv, splits=2, qproj_block_t=16, fused_block_t=16,  # noqa: E731
+                                  qproj=True, **o, **kw)
+    out, fp16 = run(qproj_int=True), run()
+    assert _rel(out, ref) < 5e-3 and _rel(out, fp16) < 1e-3
+    if bits == 2:
+        with pytest.raises(ValueError, match="qproj_int needs the folded-query kernel"):
+            palu_decode(q, hk, hv, qproj=False, qproj_int=True, **kw)
+        q2, hk2, hv2, bk2, _, _ = _case(1, 1, 1, 1, 20, rk=64, rv=32, D=64)
+        with pytest.raises(ValueError, match=r"qproj_int needs packed keys .* \(key rank 64, 2-bit\)"):
+            palu_decode(q2, quantize_latent(hk2, 2), hv2, scale=0.1, n_rep=1, group_size=1, bk=bk2,
+                        inv_freq=invf, qproj_int=True)
+
+
 @pytest.mark.parametrize("bits", [16, 4, 2])
 def test_rope_g_lrd_rank_256_folded_scores_and_one_pass_values(bits):
     # G-LRD group 4 at 50 %: key rank 256, the largest the folded-query kernel takes by default

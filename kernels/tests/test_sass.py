@@ -37,3 +37,16 @@ def test_large_rank_scores_loop_over_chunks_to_fit_shared_memory():
     unrolled, rope_loop, rope_int4_loop = map(int, out.stdout.split())
     limit = 232448   # bytes per block on an H100/H200 SM
     assert unrolled > limit and rope_loop <= limit and rope_int4_loop <= limit
+
+
+def test_folded_query_int8_dots_compile_to_int8_tensor_core_instructions():
+    # qproj_int: the packed fields' inline PTX assembles and the dots run as int8 mma (IGMMA /
+    # IMMA) in the token loop, not as fp16 ones
+    code = ("from kernels.sass import compile_qproj, loop_profile; "
+            "print(' '.join(loop_profile(compile_qproj(4, 256, True))['ops']))")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ops = set(out.stdout.split())
+    assert ops & {"IGMMA", "IMMA"} and not ops & {"HGMMA", "HMMA"}
