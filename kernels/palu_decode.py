@@ -439,10 +439,9 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
                 zp = zp - 128.0      # the fields are n - 128
             cw = ci * (ca * wa)[None, :] - si * (sa * wa)[None, :]
             sw = si * (ca * wc)[None, :] + ci * (sa * wc)[None, :]
-            ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
+            ca, sa = ca * cb - sa * sb, sa * cb + ca * sb   # the next tile's first position
             sv = tl.sum(cw * (ia.to(tl.float32) - zp[:, None] * za[None, :])
-                        + sw * (ic.to(tl.float32) - zp[:, None] * zc[None, :]), 1)
-            tl.store(S + b * s_ob + u * s_oh + offs_t, sv * sc * qk_scale, mask=t_ok)
+                        + sw * (ic.to(tl.float32) - zp[:, None] * zc[None, :]), 1) * sc
         else:
             if BITS == 16:
                 h = raw.to(tl.float16)
@@ -468,8 +467,8 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
             cos = ci * ca[None, :] - si * sa[None, :]
             sin = si * ca[None, :] + ci * sa[None, :]
             ca, sa = ca * cb - sa * sb, sa * cb + ca * sb
-            sv = tl.sum(cos * ua + sin * uc, 1) * qk_scale
-            tl.store(S + b * s_ob + u * s_oh + offs_t, sv, mask=t_ok)
+            sv = tl.sum(cos * ua + sin * uc, 1)
+        tl.store(S + b * s_ob + u * s_oh + offs_t, sv * qk_scale, mask=t_ok)
 
 
 @triton.jit
