@@ -25,26 +25,14 @@ from .layout import QuantLatent
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _unpack(raw, k, BITS: tl.constexpr):
-    """Part k of packed latents as exact small integers in fp16 (fp16/bf16 latents pass through).
-
-    Scales and zero points are folded in by the callers (per token: k = s (B n) - s z (B 1),
-    q.h = s (q.n) - s z (sum q), sum_t p h = sum_t (p s) n - sum_t p s z), so unpacking is the
-    only per-element work. 0x6400 is 1024.0 in fp16: OR-ing a 0..255 integer into the mantissa
-    gives 1024 + n exactly, avoiding int->float conversions (a quarter of the ALU rate).
-    """
-    if BITS == 16:
-        return raw.to(tl.float16)
-    n = (((raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)) | 0x6400).to(tl.int16)
-    return (n.to(tl.float16, bitcast=True) - 1024.0).to(tl.float16)
-
-
+# Packed latents are unpacked to exact small integers; scales and zero points are folded in by
+# the callers (per token: k = s (B n) - s z (B 1), q.h = s (q.n) - s z (sum q),
+# sum_t p h = sum_t (p s) n - sum_t p s z), so unpacking is the only per-element work.
 # Part k of packed bytes as fp16 n * 2^(k bits), four bytes per asm block: two PRMTs spread the
 # bytes over the half-words, one LOP3 per pair keeps field k and ORs in the fp16 exponent of 1024
 # (the FasterTransformer / Marlin trick without a shift: the field stays where it is and its
 # weight 2^(k bits) goes into the query or the output scale), one HSUB2 per pair removes the
-# 1024. The byte-wise `_unpack` spent ~3 instructions per value (two byte extracts and a pack
+# 1024. The byte-wise unpack of v1-v8 spent ~3 instructions per value (two byte extracts and a pack
 # per pair, AND, OR, subtract); this spends 1.25. (Leaving the 1024 in and folding it into the
 # zero point saves the subtract but costs accuracy: the tensor cores' fp32 accumulation loses
 # the low bits of n next to 1024 — measured 10-50x larger errors for 2/4-bit, kernels/NOTES.md.)
@@ -175,12 +163,14 @@ def _softmax_step(s, m_i, l_i):
 @triton.jit
 def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k2, s,
                 RP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, PER_BYTE: tl.constexpr,
-                BITS: tl.constexpr, ROPE: tl.constexpr, ONE_CHUNK: tl.constexpr):
+                BITS: tl.constexpr, ROPE: tl.constexpr, ONE_CHUNK: tl.constexpr, ASM: tl.constexpr):
     """One chunk of stored latent columns of a key tile: RoPE, the key halves k1, k2 += h B^T;
-    otherwise the scores s += q h^T."""
+    otherwise the scores s += q h^T. Packed part k is unpacked as n 2^(k BITS) (`_unpack_part`)
+    and its dot scaled by 2^-(k BITS) in float32 (exact), so B_k and q keep their fp16 values."""
     raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
     for k in tl.static_range(PER_BYTE):
-        h = _unpack(raw, k, BITS)                                    # (BT, BR)
+        h = raw.to(tl.float16) if BITS == 16 else _unpack_part(raw, k, BITS, ASM)   # (BT, BR)
+        w = 1.0 / (1 << (k * BITS))   # part weight (k = 0 for fp16 latents)
         rcols = k * RP + cols                                          # rank indices
         if ROPE:
             if ONE_CHUNK:
@@ -188,11 +178,18 @@ def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k
             else:
                 b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
                 b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
-            k1 += tl.dot(h, tl.trans(b1))
-            k2 += tl.dot(h, tl.trans(b2))
+            if k == 0:
+                k1 = tl.dot(h, tl.trans(b1), k1)
+                k2 = tl.dot(h, tl.trans(b2), k2)
+            else:
+                k1 += tl.dot(h, tl.trans(b1)) * w
+                k2 += tl.dot(h, tl.trans(b2)) * w
         else:
             qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
-            s += tl.dot(qf, tl.trans(h))
+            if k == 0:
+                s = tl.dot(qf, tl.trans(h), s)
+            else:
+                s += tl.dot(qf, tl.trans(h)) * w
     return k1, k2, s
 
 
@@ -203,7 +200,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
             UNITS_PER_GROUP: tl.constexpr, ROWS: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
             ROPE: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr, NUM_UNITS: tl.constexpr,
-            CONTIG: tl.constexpr, DYN_CHUNKS: tl.constexpr):
+            CONTIG: tl.constexpr, DYN_CHUNKS: tl.constexpr, ASM: tl.constexpr):
     pid_u, pid_s = tl.program_id(0), tl.program_id(1)
     b, u = pid_u // NUM_UNITS, pid_u % NUM_UNITS
     g = u // UNITS_PER_GROUP
@@ -268,11 +265,11 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         if DYN_CHUNKS:   # a loop, not unrolled: the pipeliner buffers one chunk's loads, not all
             for c0 in range(0, RP, BLOCK_R):
                 k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
-                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK)
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM)
         else:
             for c0 in tl.static_range(0, RP, BLOCK_R):
                 k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
-                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK)
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM)
         if BITS != 16:   # fold the per-token scale and zero point back in
             if ROPE:
                 k1 = k1 * sc[:, None] - (sc * zp)[:, None] * zsum1[None, :]
@@ -476,22 +473,26 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
             tokens_per_split, n_splits,
             s_sb, s_sh, s_vb, s_vg, s_vt, s_qb, s_qg, s_qt,
             ROWS: tl.constexpr, M: tl.constexpr, RV: tl.constexpr, BLOCK_RV: tl.constexpr,
-            BITS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr):
+            BITS: tl.constexpr, BLOCK_T: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """Two-pass values: softmax of the scores kernel's output and p h_v for one (sequence, group,
+    split, block of stored columns). Every packed part of the loaded bytes is unpacked here
+    (`_unpack_part`: n 2^(k BITS), divided out at the end), so the bytes are read once."""
     pid_g, pid_s, pid_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = pid_g // G, pid_g % G
     PER_BYTE: tl.constexpr = 1 if BITS == 16 else 8 // BITS
     RVP: tl.constexpr = RV // PER_BYTE
-    CHUNKS: tl.constexpr = RVP // BLOCK_RV
-    k, c0 = pid_c // CHUNKS, (pid_c % CHUNKS) * BLOCK_RV
     rows = tl.arange(0, M)
     row_ok = rows < ROWS
-    cols = c0 + tl.arange(0, BLOCK_RV)
+    cols = pid_c * BLOCK_RV + tl.arange(0, BLOCK_RV)
     length = tl.load(LENS + b)
     t0 = pid_s * tokens_per_split
     t_end = tl.minimum(t0 + tokens_per_split, length)
     m_i = tl.full([M], -float("inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, BLOCK_RV], tl.float32)
+    acc0 = tl.zeros([M, BLOCK_RV], tl.float32)   # one accumulator per packed part
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
     corr = tl.zeros([M], tl.float32)            # sum_t p_t s_t z_t (folded zero points)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
@@ -508,12 +509,25 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
             # alike, a common-mode error that an output projection can amplify
             p = (p * sc[None, :]).to(tl.float16).to(tl.float32)
             corr = corr * alpha + tl.sum(p * zp[None, :], 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), _unpack(raw, k, BITS))
+        p16 = p.to(tl.float16)
+        if BITS == 16:
+            acc0 = tl.dot(p16, raw.to(tl.float16), acc0 * alpha[:, None])
+        else:
+            acc0 = tl.dot(p16, _unpack_part(raw, 0, BITS, ASM), acc0 * alpha[:, None])
+        if PER_BYTE > 1:
+            acc1 = tl.dot(p16, _unpack_part(raw, 1, BITS, ASM), acc1 * alpha[:, None])
+        if PER_BYTE > 2:
+            acc2 = tl.dot(p16, _unpack_part(raw, 2, BITS, ASM), acc2 * alpha[:, None])
+            acc3 = tl.dot(p16, _unpack_part(raw, 3, BITS, ASM), acc3 * alpha[:, None])
         m_i = m_new
-    acc = acc - corr[:, None]
     base = ((b * G + g) * n_splits + pid_s) * M
-    out_cols = k * RVP + cols
-    tl.store(ACC + (base + rows)[:, None] * RV + out_cols[None, :], acc, mask=row_ok[:, None])
+    out = ACC + (base + rows)[:, None] * RV + cols[None, :]
+    tl.store(out, acc0 - corr[:, None], mask=row_ok[:, None])
+    if PER_BYTE > 1:
+        tl.store(out + RVP, acc1 * (1.0 / (1 << BITS)) - corr[:, None], mask=row_ok[:, None])
+    if PER_BYTE > 2:
+        tl.store(out + 2 * RVP, acc2 * (1.0 / (1 << 2 * BITS)) - corr[:, None], mask=row_ok[:, None])
+        tl.store(out + 3 * RVP, acc3 * (1.0 / (1 << 3 * BITS)) - corr[:, None], mask=row_ok[:, None])
     if pid_c == 0:
         tl.store(MS + base + rows, m_i, mask=row_ok)
         tl.store(LS + base + rows, l_i, mask=row_ok)
@@ -819,6 +833,16 @@ def _dynamic_chunks(grid, args, meta, dev) -> bool:
     return _DYNAMIC[key]
 
 
+def values_splits(T: int, splits: int, rv: int, vbits: int, rows: int) -> int:
+    """Sequence splits of the two-pass values kernel: at most `splits`, and few enough that the
+    float32 partial outputs (query rows x rv per split, written, then read by the combine) stay
+    within 1/8 of the value latents' bytes. Every query row of a group has its own partials, so
+    with all heads in one group (J-LRD: 32 rows at rank 2048) 512 splits wrote 134 MB of
+    partials for 268 MB of fp16 latents (kernels/NOTES.md, session 6)."""
+    per_token = rv * 2 if vbits == 16 else rv * vbits // 8 + 4
+    return max(1, min(splits, T * per_token // (8 * 4 * rows * rv)))
+
+
 def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(tokens per split, splits): whole tiles per split, no empty split."""
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
@@ -892,20 +916,32 @@ def one_pass_options(kbits: int, vbits: int, rk: int, rv: int, stages: int | Non
 
 
 def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,
-                  warps: int | None = None) -> tuple[int, int, int]:
+                  warps: int | None = None, int_keys: bool = False) -> tuple[int, int, int]:
     """(token tile, pipeline stages, warps) of the folded-query RoPE scores kernel; None = measured.
 
     kernels/NOTES.md, session 5 (llama2, 64K): fp16 latents 64 / 3 / 8 (two warpgroups, the
     folded query in shared memory, wgmma); packed latents are unpacked in registers and run best
     on one warpgroup: 64 / 3 / 4 for key ranks >= 128 (G-LRD-4 int4 833 -> 629 us, int2 821 ->
-    512), and 32-token tiles on 2 warps for rank 64 (M-LRD int4 630 -> 377 us)."""
+    512), and 32-token tiles on 2 warps for rank 64 (M-LRD int4 630 -> 377 us). Session 6, int8
+    key dots (`int_keys`): 64 / 3 / 4 for rank >= 128 as well, 32 / 3 / 4 for rank 64 (M-LRD int4
+    406 us on 2 warps, 353 on 4)."""
     if kbits == 16:
         d = (64, 3, 8)
     elif rk >= 128:
         d = (64, 3, 4)
     else:
-        d = (32, 3, 2)
+        d = (32, 3, 4 if int_keys else 2)
     return (block_t or d[0], stages or d[1], warps or d[2])
+
+
+def qproj_int_default(kbits: int, rkp: int) -> bool:
+    """Whether the folded-query kernel takes packed keys through int8 dots when not told.
+
+    Measured (kernels/NOTES.md, session 6, llama2 64K): faster for 4-bit keys (G-LRD-4 644 ->
+    584 us, G-LRD-2 413 -> 361, K25/V75 g4 435 -> 391, M-LRD 377 -> 353 on 4 warps), slower for
+    2-bit (G-LRD-4 517 -> 550: four fields per byte cost more shifts than the fp16 unpack's
+    table); 8-bit not measured, so it keeps the measured fp16 unpack."""
+    return kbits == 4 and rkp >= 32 and rkp & (rkp - 1) == 0
 
 
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
@@ -917,7 +953,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 fused_warps: int = 4, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
-                qproj_warps: int | None = None, qproj_int: bool = False) -> torch.Tensor:
+                qproj_warps: int | None = None, qproj_int: bool | None = None) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -931,7 +967,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     rank is too large, accumulate values with the one-pass kernel reading those scores
     (`qproj_*=None`: the measured tiles of `qproj_options`; `block_t`, `block_r`, `stages` and
     `warps` are those of `_scores` and `_values`, tuned in kernels/NOTES.md; `qproj_int`: packed
-    keys through int8 tensor-core dots in the folded-query kernel, off by default: not yet timed);
+    keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
+    `qproj_int_default`);
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
     tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
@@ -1010,6 +1047,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
+    if qproj_int is None:
+        qproj_int = bool(qproj) and qproj_int_default(kbits, rkp)
     if qproj_int and not (kbits != 16 and rkp >= 32 and rkp & (rkp - 1) == 0):
         raise ValueError(f"qproj_int needs packed keys with a power-of-two number >= 32 of stored "
                          f"columns (key rank {rk}, {kbits}-bit)")
@@ -1020,7 +1059,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
         qproj_block_t, qproj_stages, qproj_warps = qproj_options(kbits, rk, qproj_block_t,
-                                                                 qproj_stages, qproj_warps)
+                                                                 qproj_stages, qproj_warps, qproj_int)
         block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
     splits_arg = splits
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
@@ -1049,7 +1088,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 ks.stride(0), ks.stride(1), ks.stride(2), positions.stride(0), S.stride(0), S.stride(1))
         meta = dict(UNITS_PER_GROUP=units_per_group, ROWS=rows, M=M, R=rk, BLOCK_R=br,
                     HALF=(q.shape[-1] // 2 if rope else 16), ROPE=rope, BITS=kbits,
-                    BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig,
+                    BLOCK_T=block_t, NUM_UNITS=units, CONTIG=contig, ASM=_use_asm(dev),
                     num_stages=stages[0], num_warps=warps[0])
         _scores[grid](*args, DYN_CHUNKS=_dynamic_chunks(grid, args, meta, dev), **meta)
     if fused is not False and not _values_unfit(rv, vbits, mv):
@@ -1060,7 +1099,10 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                           fused_maxnreg, scores=S)
     rvp = rv // (1 if vbits == 16 else 8 // vbits)
     brv = _pow2_block(rvp, block_rv)
-    chunks = (rv // rvp) * (rvp // brv)
+    chunks = rvp // brv   # blocks of stored columns; each program unpacks all their parts
+    if splits_arg is None:   # the values kernel's own splits: its partials stay small
+        per_split, splits = _even_splits(T, values_splits(T, splits, rv, vbits, group_size * n_rep),
+                                          block_t)
     acc = torch.empty(B, G, splits, mv, rv, device=dev, dtype=torch.float32)
     ms = torch.empty(B, G, splits, mv, device=dev, dtype=torch.float32)
     ls = torch.empty_like(ms)
@@ -1070,7 +1112,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         S.stride(0), S.stride(1), vdata.stride(0), vdata.stride(1), vdata.stride(2),
         vs.stride(0), vs.stride(1), vs.stride(2),
         ROWS=group_size * n_rep, M=mv, RV=rv, BLOCK_RV=brv, BITS=vbits, BLOCK_T=block_t, G=G,
-        num_stages=stages[1], num_warps=warps[1])
+        ASM=_use_asm(dev), num_stages=stages[1], num_warps=warps[1])
     z = torch.empty(B, H, rv, device=dev, dtype=torch.float32)
     _launch_combine(acc, ms, ls, z, splits, group_size * n_rep, mv, rv, G)
     return z

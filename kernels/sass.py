@@ -70,7 +70,7 @@ def compile_scores(bits: int = 16, rank: int = 2048, rope: bool = True, dynamic:
     block_r = block_r or (256 if rope and bits == 16 else 128)
     consts = dict(UNITS_PER_GROUP=units, ROWS=rows, M=max(16, rows), R=rank, BLOCK_R=block_r,
                   HALF=64 if rope else 16, ROPE=rope, BITS=bits, BLOCK_T=32, NUM_UNITS=units,
-                  CONTIG=True, DYN_CHUNKS=dynamic, s_st=1)
+                  CONTIG=True, DYN_CHUNKS=dynamic, ASM=True, s_st=1)
     pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HKS": "*fp16", "HKZ": "*fp16",
                "BK": "*fp16", "POS": "*i32", "POS0": "*i32", "INVF": "*fp32", "S": "*fp32", "LENS": "*i32"}
     cols = rank // (1 if bits == 16 else 8 // bits)

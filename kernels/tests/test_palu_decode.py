@@ -9,7 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from kernels.layout import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
-from kernels.palu_decode import one_pass_options, palu_decode, programs_per_sm, qproj_options  # noqa: E402
+from kernels.palu_decode import (one_pass_options, palu_decode, programs_per_sm, qproj_int_default,  # noqa: E402
+                                 qproj_options, values_splits)
 from kernels.reference import latent_decode_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -135,7 +136,7 @@ def test_folded_query_int8_dots_match_reference_and_fp16_unpack(bits, rk):
     ref = latent_decode_reference(q, hk, hv, **kw)
     run = lambda **o: palu_decode(q, hk, hv, splits=2, qproj_block_t=16, fused_block_t=16,  # noqa: E731
                                   qproj=True, **o, **kw)
-    out, fp16 = run(qproj_int=True), run()
+    out, fp16 = run(qproj_int=True), run(qproj_int=False)
     assert _rel(out, ref) < 5e-3 and _rel(out, fp16) < 1e-3
     if bits == 2:
         with pytest.raises(ValueError, match="qproj_int needs the folded-query kernel"):
@@ -446,6 +447,12 @@ def test_folded_query_defaults_follow_the_measurements():
     assert qproj_options(4, 256) == (64, 3, 4) and qproj_options(2, 128) == (64, 3, 4)
     assert qproj_options(4, 64) == (32, 3, 2)
     assert qproj_options(4, 64, block_t=16, warps=4) == (16, 3, 4)
+    # session 6: int8 key dots where measured faster (4-bit), with 4 warps at rank 64
+    assert qproj_options(4, 64, int_keys=True) == (32, 3, 4)
+    assert qproj_options(4, 256, int_keys=True) == (64, 3, 4)
+    assert qproj_int_default(4, 128) and qproj_int_default(4, 32)
+    assert not qproj_int_default(2, 64) and not qproj_int_default(8, 128) and not qproj_int_default(16, 256)
+    assert not qproj_int_default(4, 16) and not qproj_int_default(4, 48)
 
 
 def test_one_pass_defaults_follow_the_measurements():
@@ -459,3 +466,14 @@ def test_one_pass_defaults_follow_the_measurements():
     assert one_pass_options(4, 4, 256, 256, stages=2, int_keys=False, maxnreg=0) == (2, False, 0)
     with pytest.raises(ValueError, match="fused_int_keys needs packed keys"):
         one_pass_options(16, 16, 256, 256, int_keys=True)
+
+
+def test_two_pass_values_splits_keep_partials_small():
+    # J-LRD (32 query rows share one latent): 512 splits of fp16 rank 2048 wrote 134 MB of float32
+    # partials for 268 MB of latents; the values kernel now takes at most 1/8 of the latent bytes
+    assert values_splits(65536, 512, 2048, 16, 32) == 128
+    assert values_splits(65536, 512, 2048, 4, 32) == 32
+    assert values_splits(65536, 264, 768, 16, 8) == 264      # K25/V75 g8: the scores' splits
+    assert values_splits(65536, 100, 256, 4, 4) == 100
+    assert values_splits(65536, 100, 256, 4, 16) == 66
+    assert values_splits(64, 8, 2048, 4, 32) == 1           # never zero

@@ -136,6 +136,7 @@ def tune_params(variant) -> dict:
 def tune(cfg, ceil, log) -> list[dict]:
     """Time kernel launch parameters on a few representative configurations (kernel notes)."""
     from kernels.palu_decode import palu_decode
+    from kernels.reference import latent_decode_reference
     out = []
     for case in cfg.get("tune", []):
         shape = cfg["shapes"][case["shape"]]
@@ -143,15 +144,24 @@ def tune(cfg, ceil, log) -> list[dict]:
                                       case["kept"][1], case["bits"], case["rope"])
         if not case["rope"]:
             kw["bk"] = None
+        # Every variant is checked against the float32 reference as well as timed: a faster
+        # variant that computes something else must not look like a win.
+        ref = latent_decode_reference(qi, hk, hv, **kw)
         for v in cfg["tune_variants"]:
             params = tune_params(v)
+            fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
             try:
-                t = _bench(lambda: palu_decode(qi, hk, hv, **kw, **params), cfg["warmup_ms"], cfg["rep_ms"])
-                row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v))
+                err = ((fn() - ref).norm() / ref.norm()).item()
+                t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
+                row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
+                           rel_err=err)
             except Exception as err:
                 row = {"variant": "tune", **case, "params": str(v), "error": str(err)[:200]}
-            log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us")
+            log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us, "
+                f"rel. error {row.get('rel_err', float('nan')):.1e}")
             out.append(row)
+        del qi, hk, hv, ref
+        torch.cuda.empty_cache()
     return out
 
 
