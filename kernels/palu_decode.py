@@ -833,14 +833,18 @@ def _dynamic_chunks(grid, args, meta, dev) -> bool:
     return _DYNAMIC[key]
 
 
-def values_splits(T: int, splits: int, rv: int, vbits: int, rows: int) -> int:
+def values_splits(T: int, splits: int, rv: int, vbits: int, rows: int, blocks: int, sms: int) -> int:
     """Sequence splits of the two-pass values kernel: at most `splits`, and few enough that the
     float32 partial outputs (query rows x rv per split, written, then read by the combine) stay
-    within 1/8 of the value latents' bytes. Every query row of a group has its own partials, so
-    with all heads in one group (J-LRD: 32 rows at rank 2048) 512 splits wrote 134 MB of
-    partials for 268 MB of fp16 latents (kernels/NOTES.md, session 6)."""
+    within 1/8 of the value latents' bytes -- unless that would leave the GPU with fewer than two
+    programs per SM (`blocks` programs per split). Every query row of a group has its own
+    partials, so with all heads in one group (J-LRD: 32 rows at rank 2048) 512 splits wrote
+    134 MB of partials for 268 MB of fp16 latents; capping alone starved short contexts
+    (llama3 J-LRD int2 at 4K: one split, two programs; kernels/NOTES.md, session 6)."""
     per_token = rv * 2 if vbits == 16 else rv * vbits // 8 + 4
-    return max(1, min(splits, T * per_token // (8 * 4 * rows * rv)))
+    cap = T * per_token // (8 * 4 * rows * rv)
+    fill = -(-2 * sms // blocks)
+    return max(1, min(splits, max(cap, fill)))
 
 
 def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
@@ -1101,8 +1105,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     brv = _pow2_block(rvp, block_rv)
     chunks = rvp // brv   # blocks of stored columns; each program unpacks all their parts
     if splits_arg is None:   # the values kernel's own splits: its partials stay small
-        per_split, splits = _even_splits(T, values_splits(T, splits, rv, vbits, group_size * n_rep),
-                                          block_t)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        per_split, splits = _even_splits(
+            T, values_splits(T, splits, rv, vbits, group_size * n_rep, B * G * chunks, sms), block_t)
     acc = torch.empty(B, G, splits, mv, rv, device=dev, dtype=torch.float32)
     ms = torch.empty(B, G, splits, mv, device=dev, dtype=torch.float32)
     ls = torch.empty_like(ms)

@@ -470,10 +470,13 @@ def test_one_pass_defaults_follow_the_measurements():
 
 def test_two_pass_values_splits_keep_partials_small():
     # J-LRD (32 query rows share one latent): 512 splits of fp16 rank 2048 wrote 134 MB of float32
-    # partials for 268 MB of latents; the values kernel now takes at most 1/8 of the latent bytes
-    assert values_splits(65536, 512, 2048, 16, 32) == 128
-    assert values_splits(65536, 512, 2048, 4, 32) == 32
-    assert values_splits(65536, 264, 768, 16, 8) == 264      # K25/V75 g8: the scores' splits
-    assert values_splits(65536, 100, 256, 4, 4) == 100
-    assert values_splits(65536, 100, 256, 4, 16) == 66
-    assert values_splits(64, 8, 2048, 4, 32) == 1           # never zero
+    # partials for 268 MB of latents; the values kernel takes at most 1/8 of the latent bytes...
+    assert values_splits(65536, 512, 2048, 16, 32, 32, 132) == 128
+    assert values_splits(65536, 512, 2048, 4, 32, 16, 132) == 32
+    assert values_splits(65536, 264, 768, 16, 8, 96, 132) == 264      # K25/V75 g8: the scores' splits
+    assert values_splits(65536, 100, 256, 4, 16, 8, 132) == 66
+    # ...but never fewer than two programs per SM (llama3 J-LRD int2 at 4K: cap 1, 2 blocks)
+    assert values_splits(4096, 32, 512, 2, 32, 2, 132) == 32
+    assert values_splits(16384, 128, 512, 2, 32, 2, 132) == 128
+    assert values_splits(65536, 512, 512, 2, 32, 2, 132) == 132
+    assert values_splits(64, 8, 2048, 4, 32, 600, 132) == 1           # never zero
