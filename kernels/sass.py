@@ -9,6 +9,7 @@ can check that the inline PTX in `palu_decode` assembles. The counts depend on t
     python -m kernels.sass            # table for fp16 / 8 / 4 / 2-bit latents, Llama-2 g4 shapes
     python -m kernels.sass --scores   # shared memory of the two-pass scores kernel at large ranks
     python -m kernels.sass --qproj    # the folded-query RoPE scores kernel, fp16 vs int8 dots
+    python -m kernels.sass --two-pass # the rebuild-scores and values kernels (J-LRD, GQA, rank 512)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from .palu_decode import _fused_norope, _scores, _scores_qproj
+from .palu_decode import _fused_norope, _scores, _scores_qproj, _values
 
 _INS = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*?);")
 
@@ -119,6 +120,36 @@ def loop_profile(kernel) -> dict:
             "loop_instructions": sum(ops.values()), "ops": ops}
 
 
+def compile_values(bits: int = 4, rank: int = 2048, rows: int = 32, block_rv: int = 64,
+                   block_t: int = 32, warps: int = 4, stages: int = 3, arch: int = 90):
+    """The two-pass `_values` kernel for one block of stored value columns (all packed parts)."""
+    cols = rank // (1 if bits == 16 else 8 // bits)
+    consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RV=rank, BLOCK_RV=block_rv,
+                  BITS=bits, BLOCK_T=block_t, G=1, ASM=True, s_qt=1)
+    pointer = {"S": "*fp32", "HV": "*u8" if bits != 16 else "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
+               "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
+    divisible = dict(s_sb=32 * 65536, s_sh=65536, s_vt=cols, s_vg=65536 * cols, s_vb=65536 * cols,
+                     s_qb=65536, s_qg=65536)
+    return _compile(_values, consts, pointer, divisible, warps, stages, arch)
+
+
+def _two_pass_table():
+    print("two-pass kernels, sm_90: rebuild scores `_scores` (32-token tiles, palu_decode's block_r) and")
+    print("values `_values` (64 stored columns, every packed part); loop = instructions per token tile")
+    print(f"{'kernel':>7} {'rope':>5} {'bits':>4} {'rank':>5} {'rows':>4} {'regs':>5} {'loop':>5}  top opcodes")
+    for bits, rank, rope in ((16, 256, True), (4, 256, True), (2, 256, True), (4, 512, True),
+                             (4, 2048, False)):
+        p = loop_profile(compile_scores(bits, rank, rope, rank >= 1024))
+        top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(6))
+        print(f"{'scores':>7} {str(rope):>5} {bits:4d} {rank:5d} {1 if rope else 32:4d} {p['registers']:5d} "
+              f"{p['loop_instructions']:5d}  {top}")
+    for bits, rank, rows in ((16, 2048, 32), (4, 2048, 32), (2, 2048, 32), (4, 256, 4)):
+        p = loop_profile(compile_values(bits, rank, rows))
+        top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(6))
+        print(f"{'values':>7} {'-':>5} {bits:4d} {rank:5d} {rows:4d} {p['registers']:5d} "
+              f"{p['loop_instructions']:5d}  {top}")
+
+
 def _shared_table():
     print("two-pass `_scores`, shared memory in bytes (an H100/H200 SM: 232448 per block)")
     print(f"{'rope':>5} {'bits':>4} {'rank':>5} {'unrolled':>9} {'loop':>7}")
@@ -146,6 +177,9 @@ if __name__ == "__main__":
         sys.exit()
     if "--qproj" in sys.argv:
         _qproj_table()
+        sys.exit()
+    if "--two-pass" in sys.argv:
+        _two_pass_table()
         sys.exit()
     print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
           "64-token tiles, 4 warps")
