@@ -833,6 +833,11 @@ def _dynamic_chunks(grid, args, meta, dev) -> bool:
     return _DYNAMIC[key]
 
 
+def _sm_count(dev) -> int:
+    """Streaming multiprocessors of the device (4 stands in for the CPU interpreter)."""
+    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+
+
 def values_splits(T: int, splits: int, rv: int, vbits: int, rows: int, blocks: int, sms: int) -> int:
     """Sequence splits of the two-pass values kernel: at most `splits`, and few enough that the
     float32 partial outputs (query rows x rv per split, written, then read by the combine) stay
@@ -875,7 +880,7 @@ def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, leng
                 ASM=_use_asm(dev), INT_KEYS=int_keys, SCORES_IN=scores is not None,
                 num_stages=stages, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}))
     if splits is None:
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        sms = _sm_count(dev)
         splits = max(1, min(triton.cdiv(T, 2 * block_t), triton.cdiv(8 * sms, B * G)))
         if _use_asm(dev):
             # One wave: as many splits as the GPU holds programs at once, so all start together
@@ -943,8 +948,8 @@ def qproj_int_default(kbits: int, rkp: int) -> bool:
 
     Measured (kernels/NOTES.md, session 6, llama2 64K): faster for 4-bit keys (G-LRD-4 644 ->
     584 us, G-LRD-2 413 -> 361, K25/V75 g4 435 -> 391, M-LRD 377 -> 353 on 4 warps), slower for
-    2-bit (G-LRD-4 517 -> 550: four fields per byte cost more shifts than the fp16 unpack's
-    table); 8-bit not measured, so it keeps the measured fp16 unpack."""
+    2-bit (G-LRD-4 517 -> 550); 8-bit not measured, so it keeps the measured fp16 unpack. Not
+    length-dependent yet, although the fp16 unpack was 3-10 % faster at 4K-16K."""
     return kbits == 4 and rkp >= 32 and rkp & (rkp - 1) == 0
 
 
@@ -1067,7 +1072,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
     splits_arg = splits
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        sms = _sm_count(dev)
         splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
     per_split, splits = _even_splits(T, splits, block_t)
     M = max(16, triton.next_power_of_2(rows))
@@ -1105,7 +1110,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     brv = _pow2_block(rvp, block_rv)
     chunks = rvp // brv   # blocks of stored columns; each program unpacks all their parts
     if splits_arg is None:   # the values kernel's own splits: its partials stay small
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        sms = _sm_count(dev)
         per_split, splits = _even_splits(
             T, values_splits(T, splits, rv, vbits, group_size * n_rep, B * G * chunks, sms), block_t)
     acc = torch.empty(B, G, splits, mv, rv, device=dev, dtype=torch.float32)
