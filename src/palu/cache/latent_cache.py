@@ -9,6 +9,11 @@ RoPE needs when keys are rebuilt.
 packed layout of `kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
 decode kernels read it as it is; the torch path gets the dequantised latents.
+
+Appending a decode step copies only the new token: every per-token tensor is a prefix view of a
+buffer with spare room (`LatentLayer._append`), grown by max(256 tokens, 1/8) when full. A
+transformers DynamicLayer concatenates instead, copying the whole cache at every step (O(T) per
+token, O(T^2) per generation). The prefill is stored exactly, without spare room.
 """
 from __future__ import annotations
 
@@ -50,6 +55,37 @@ class LatentLayer(DynamicLayer):
         # take a per-row offset and their fast RoPE path. Tracked as tokens arrive, so a decode
         # step checks its new tokens only, not the whole cache.
         self.contiguous = True
+        self._room: dict[str, torch.Tensor] = {}      # the buffers the per-token tensors view
+
+    def _append(self, name: str, view: torch.Tensor | None, new: torch.Tensor, dim: int) -> torch.Tensor:
+        """`view` (a prefix of the buffer `name`, or any tensor) with `new` appended along the
+        token axis `dim`. Writes in place while the buffer has room; otherwise copies into a new
+        buffer with max(256, 1/8) tokens to spare. A view that is no longer a prefix of its
+        buffer (after batch selection or reordering, which build new tensors) is copied too."""
+        n = new.shape[dim]
+        if view is None or view.numel() == 0:   # the prefill: stored exactly, no spare room
+            self._room[name] = out = new.contiguous().clone()
+            return out
+        T, buf = view.shape[dim], self._room.get(name)
+        fits = (buf is not None and view.data_ptr() == buf.data_ptr() and view.stride() == buf.stride()
+                and T + n <= buf.shape[dim]
+                and all(view.shape[d] == buf.shape[d] for d in range(view.dim()) if d != dim))
+        if not fits:
+            shape = list(view.shape)
+            shape[dim] = T + n + max(256, (T + n) // 8)
+            buf = view.new_empty(shape)
+            buf.narrow(dim, 0, T).copy_(view)
+            self._room[name] = buf
+        buf.narrow(dim, T, n).copy_(new)
+        return buf.narrow(dim, 0, T + n)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """DynamicLayer.update without the whole-cache copy: (B, 1, T, R) appended in place."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = self._append("keys", self.keys, key_states, key_states.dim() - 2)
+        self.values = self._append("values", self.values, value_states, value_states.dim() - 2)
+        return self.keys, self.values
 
     def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True):
         """Append latents (B, T, R) and positions (B, T); return everything stored so far.
@@ -66,15 +102,15 @@ class LatentLayer(DynamicLayer):
             (kd, ksz), (vd, vsz) = (_quantize_groups(hk, self.ranks[0], self.bits),
                                     _quantize_groups(hv, self.ranks[1], self.bits))
             self.update(kd, vd)
-            self.key_sz = ksz if self.key_sz is None else torch.cat([self.key_sz, ksz], 1)
-            self.value_sz = vsz if self.value_sz is None else torch.cat([self.value_sz, vsz], 1)
+            self.key_sz = self._append("key_sz", self.key_sz, ksz, 1)
+            self.value_sz = self._append("value_sz", self.value_sz, vsz, 1)
             keys, values = self.latents(hk.dtype) if dequantize else (None, None)
         positions = positions.to(torch.int32).expand(hk.shape[0], -1)
         if self.contiguous:
             start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
             steps = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
             self.contiguous = bool((positions == start + steps).all())
-        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
+        self.positions = self._append("positions", self.positions, positions, 1)
         return keys, values, self.positions
 
     def latents(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,10 +151,17 @@ class LatentLayer(DynamicLayer):
         self._map_extras(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def nbytes(self) -> dict:
+        """Bytes of the stored tokens, and `reserved`: of the buffers behind them (spare room
+        included; equal after a prefill, up to max(256 tokens, 1/8) more while generating)."""
         def size(t):
             return 0 if t is None else t.numel() * t.element_size()
+
+        def held(name):
+            t, buf = getattr(self, name), self._room.get(name)
+            return size(buf) if t is not None and buf is not None and t.data_ptr() == buf.data_ptr() else size(t)
         return {"latents": size(self.keys) + size(self.values),
-                "scales": size(self.key_sz) + size(self.value_sz), "positions": size(self.positions)}
+                "scales": size(self.key_sz) + size(self.value_sz), "positions": size(self.positions),
+                "reserved": sum(held(n) for n in ("keys", "values", "key_sz", "value_sz", "positions"))}
 
 
 class LatentCache(Cache):
@@ -136,9 +179,9 @@ class LatentCache(Cache):
         return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize)
 
     def nbytes(self) -> dict:
-        """Bytes really held: latents (packed in quantised mode), their scales and zero points,
-        and the int32 positions, summed over layers."""
-        totals = {"latents": 0, "scales": 0, "positions": 0}
+        """Bytes of the stored tokens: latents (packed in quantised mode), their scales and zero
+        points, and the int32 positions, summed over layers; `reserved`: the buffers' bytes."""
+        totals = {"latents": 0, "scales": 0, "positions": 0, "reserved": 0}
         for layer in self.layers:
             for key, value in layer.nbytes().items():
                 totals[key] += value

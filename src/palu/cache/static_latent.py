@@ -1,8 +1,8 @@
 """A preallocated latent cache for CUDA-graph decoding (fp16 or packed 2/4/8-bit latents).
 
-`LatentCache` grows by concatenation, as transformers' DynamicCache does: every step copies the
-whole cache, so it cannot serve long-context decoding at speed nor be captured in a CUDA graph.
-This cache allocates `max_tokens` once, in the layout the kernels read
+`LatentCache` (the transformers-facing cache) appends into buffers that grow as tokens arrive and
+quantises each new token with torch ops, so its tensors change between steps and a decode step
+cannot be captured in a CUDA graph. This cache allocates `max_tokens` once, in the layout the kernels read
 (`kernels/layout.py`: [batch, groups, tokens, rank], packed along the rank when quantised), and
 each step writes the new token's latents in place (quantised on the fly) at a fixed slot, so a
 decode step is a static graph. Positions are contiguous (token i is at position i).
