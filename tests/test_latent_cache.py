@@ -80,3 +80,27 @@ def test_append_writes_in_place_only_into_its_own_buffer():
     stranger = torch.full((buffer.shape[0],), 7.0)[:2]                    # same strides, other memory
     out = layer._append("x", stranger, torch.tensor([8.0]), 0)
     assert out.tolist() == [7, 7, 8] and buffer[:5].tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_one_launch_quantise_into_the_buffers_matches_the_torch_path(bits, monkeypatch):
+    # on a GPU (here: the Triton interpreter) new tokens are quantised by one kernel writing
+    # straight into the grown buffers, group by group through strided views; bit-identical
+    import palu.cache.latent_cache as lc
+    g = torch.Generator().manual_seed(bits)
+    hk, hv = torch.randn(2, 12, 3 * 32, generator=g), torch.randn(2, 12, 3 * 16, generator=g)
+    ranks = ([32] * 3, [16] * 3)
+
+    def fill():
+        cache = LatentCache(num_layers=1, bits=bits)
+        cache.update_latent(hk[:, :9], hv[:, :9], torch.arange(9)[None], 0, ranks=ranks)
+        for t in range(9, 12):
+            cache.update_latent(hk[:, t:t + 1], hv[:, t:t + 1], torch.tensor([[t]]), 0, ranks=ranks)
+        return cache.layers[0]
+
+    want = fill()
+    monkeypatch.setattr(lc, "_use_quantize_kernel", lambda h: True)
+    got = fill()
+    assert got.keys.data_ptr() == got._room["keys"].data_ptr() and got.keys.shape[-2] == 12
+    for name in ("keys", "values", "key_sz", "value_sz", "positions"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
