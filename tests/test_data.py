@@ -73,3 +73,22 @@ def test_calibration_windows_are_seeded():
     assert torch.equal(a, calibration_windows(tokens, 4, 64, seed=0))
     assert not torch.equal(a, calibration_windows(tokens, 4, 64, seed=1))
     assert torch.equal(a[:, 1:] - a[:, :-1], torch.ones(4, 63, dtype=torch.long))
+
+
+def test_real_corpora_are_read_from_the_local_cache_only(monkeypatch):
+    # "Nothing is ever downloaded at run time": the HF datasets loader runs in offline mode
+    # (online, an offline machine also waited ~25 s for connection timeouts)
+    import os
+    import sys
+    import types
+
+    from palu.data.corpora import _hf
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    seen = {}
+
+    def load_dataset(*args, **kwargs):
+        seen["offline"] = os.environ.get("HF_DATASETS_OFFLINE")
+        return "cached"
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert _hf("wikitext2", "wikitext", "wikitext-2-raw-v1") == "cached" and seen["offline"] == "1"

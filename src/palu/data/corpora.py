@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -92,6 +93,10 @@ def _need(path: Path, corpus: str) -> Path:
 
 
 def _hf(corpus: str, *args, **kwargs):
+    # Nothing is fetched from the Hub at run time: only a copy already in the local datasets
+    # cache is used (offline mode, unless HF_DATASETS_OFFLINE is set otherwise before the first
+    # `import datasets`). Online, an offline machine waited ~25 s for connection timeouts.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
         return datasets.load_dataset(*args, **kwargs)
