@@ -943,6 +943,11 @@ def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int |
     return (block_t or d[0], stages or d[1], warps or d[2])
 
 
+def _qproj_int_fits(kbits: int, rkp: int) -> bool:
+    """Packed keys whose stored columns (rkp) the int8-dot folded-query kernel can take."""
+    return kbits != 16 and rkp >= 32 and rkp & (rkp - 1) == 0
+
+
 def qproj_int_default(kbits: int, rkp: int) -> bool:
     """Whether the folded-query kernel takes packed keys through int8 dots when not told.
 
@@ -950,7 +955,7 @@ def qproj_int_default(kbits: int, rkp: int) -> bool:
     584 us, G-LRD-2 413 -> 361, K25/V75 g4 435 -> 391, M-LRD 377 -> 353 on 4 warps), slower for
     2-bit (G-LRD-4 517 -> 550); 8-bit not measured, so it keeps the measured fp16 unpack. Not
     length-dependent yet, although the fp16 unpack was 3-10 % faster at 4K-16K."""
-    return kbits == 4 and rkp >= 32 and rkp & (rkp - 1) == 0
+    return kbits == 4 and _qproj_int_fits(kbits, rkp)
 
 
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
@@ -1058,7 +1063,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
     if qproj_int is None:
         qproj_int = bool(qproj) and qproj_int_default(kbits, rkp)
-    if qproj_int and not (kbits != 16 and rkp >= 32 and rkp & (rkp - 1) == 0):
+    if qproj_int and not _qproj_int_fits(kbits, rkp):
         raise ValueError(f"qproj_int needs packed keys with a power-of-two number >= 32 of stored "
                          f"columns (key rank {rk}, {kbits}-bit)")
     if qproj_int and not qproj:

@@ -93,6 +93,19 @@ def compile_qproj(bits: int = 4, rank: int = 256, int_h: bool = False, block_t: 
     return _compile(_scores_qproj, consts, pointer, divisible, warps, stages, arch)
 
 
+def compile_values(bits: int = 4, rank: int = 2048, rows: int = 32, block_rv: int = 64,
+                   block_t: int = 32, warps: int = 4, stages: int = 3, arch: int = 90):
+    """The two-pass `_values` kernel for one block of stored value columns (all packed parts)."""
+    cols = rank // (1 if bits == 16 else 8 // bits)
+    consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RV=rank, BLOCK_RV=block_rv,
+                  BITS=bits, BLOCK_T=block_t, G=1, ASM=True, s_qt=1)
+    pointer = {"S": "*fp32", "HV": "*u8" if bits != 16 else "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
+               "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
+    divisible = dict(s_sb=32 * 65536, s_sh=65536, s_vt=cols, s_vg=65536 * cols, s_vb=65536 * cols,
+                     s_qb=65536, s_qg=65536)
+    return _compile(_values, consts, pointer, divisible, warps, stages, arch)
+
+
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -118,19 +131,6 @@ def loop_profile(kernel) -> dict:
     regs = re.search(r"REG:(\d+)", res)
     return {"registers": int(regs.group(1)) if regs else None, "shared": kernel.metadata.shared,
             "loop_instructions": sum(ops.values()), "ops": ops}
-
-
-def compile_values(bits: int = 4, rank: int = 2048, rows: int = 32, block_rv: int = 64,
-                   block_t: int = 32, warps: int = 4, stages: int = 3, arch: int = 90):
-    """The two-pass `_values` kernel for one block of stored value columns (all packed parts)."""
-    cols = rank // (1 if bits == 16 else 8 // bits)
-    consts = dict(ROWS=rows, M=max(16, triton.next_power_of_2(rows)), RV=rank, BLOCK_RV=block_rv,
-                  BITS=bits, BLOCK_T=block_t, G=1, ASM=True, s_qt=1)
-    pointer = {"S": "*fp32", "HV": "*u8" if bits != 16 else "*fp16", "HVS": "*fp16", "HVZ": "*fp16",
-               "ACC": "*fp32", "MS": "*fp32", "LS": "*fp32", "LENS": "*i32"}
-    divisible = dict(s_sb=32 * 65536, s_sh=65536, s_vt=cols, s_vg=65536 * cols, s_vb=65536 * cols,
-                     s_qb=65536, s_qg=65536)
-    return _compile(_values, consts, pointer, divisible, warps, stages, arch)
 
 
 def _two_pass_table():

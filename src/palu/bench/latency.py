@@ -95,6 +95,11 @@ def _eager(q, k, v):
     return p @ v
 
 
+def _rel_err(fn, ref) -> float:
+    """Relative error of one kernel call against the float32 reference output."""
+    return ((fn() - ref).norm() / ref.norm()).item()
+
+
 def _row(name, shape_name, B, T, t, counts, ceil, **extra):
     floor = max(counts["bytes"] / ceil["copy_bytes_per_s"], counts["flops"] / ceil["matmul_flops_per_s"])
     return {"variant": name, "shape": shape_name, "batch": B, "length": T, "seconds": t,
@@ -113,7 +118,7 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
     fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
     if T == cfg["check_length"] and B == 1:
         ref = latent_decode_reference(qi, hk, hv, **kw)
-        err = ((fn() - ref).norm() / ref.norm()).item()
+        err = _rel_err(fn, ref)
         checks.append({"shape": shape_name, "group": s, "bits": bits, "rope": rope, "split": split,
                        "rel_err": err})
     t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
@@ -151,7 +156,7 @@ def tune(cfg, ceil, log) -> list[dict]:
             params = tune_params(v)
             fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
             try:
-                err = ((fn() - ref).norm() / ref.norm()).item()
+                err = _rel_err(fn, ref)
                 t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
                 row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
                            rel_err=err)
