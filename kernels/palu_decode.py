@@ -28,30 +28,41 @@ LOG2E = 1.4426950408889634
 # Packed latents are unpacked to exact small integers; scales and zero points are folded in by
 # the callers (per token: k = s (B n) - s z (B 1), q.h = s (q.n) - s z (sum q),
 # sum_t p h = sum_t (p s) n - sum_t p s z), so unpacking is the only per-element work.
-# Part k of packed bytes as fp16 n * 2^(k bits), four bytes per asm block: two PRMTs spread the
-# bytes over the half-words, one LOP3 per pair keeps field k and ORs in the fp16 exponent of 1024
-# (the FasterTransformer / Marlin trick without a shift: the field stays where it is and its
-# weight 2^(k bits) goes into the query or the output scale), one HSUB2 per pair removes the
-# 1024. The byte-wise unpack of v1-v8 spent ~3 instructions per value (two byte extracts and a pack
-# per pair, AND, OR, subtract); this spends 1.25. (Leaving the 1024 in and folding it into the
-# zero point saves the subtract but costs accuracy: the tensor cores' fp32 accumulation loses
-# the low bits of n next to 1024 — measured 10-50x larger errors for 2/4-bit, kernels/NOTES.md.)
-_PRMT = ("{ .reg .b32 a<2>, c; mov.b32 c, 0x64006400; "
-         "prmt.b32 a0, $2, 0, 0x4140; prmt.b32 a1, $2, 0, 0x4342; ")
-_LOP = ("lop3.b32 a0, a0, {m}, c, 0xea; lop3.b32 a1, a1, {m}, c, 0xea; "
-        "sub.f16x2 $0, a0, c; sub.f16x2 $1, a1, c; }}")
-_ASM_8_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00ff00ff"))
-_ASM_4_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x000f000f"))
-_ASM_4_1: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00f000f0"))
-_ASM_2_0: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00030003"))
-_ASM_2_1: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x000c000c"))
-_ASM_2_2: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00300030"))
-_ASM_2_3: tl.constexpr = tl.constexpr(_PRMT + _LOP.format(m="0x00c000c0"))
+# Part k of packed bytes as fp16 (n - 2^(bits-1)) * 2^(k bits), four bytes per asm block: two
+# PRMTs spread the bytes over the half-words, one LOP3 per pair keeps field k and ORs in the fp16
+# exponent of 1024 (the FasterTransformer / Marlin trick without a shift: the field stays where it
+# is and its weight 2^(k bits) goes into the query or the output scale), one HSUB2 per pair
+# removes 1024 + 2^(bits-1) 2^(k bits). The byte-wise unpack of v1-v8 spent ~3 instructions per
+# value; this spends 1.25. Why centred: the tensor cores' fp32 accumulation truncates, so its
+# error grows with the partial sums' size; with n in [0, 2^bits) every token adds ~2^(bits-1) s p
+# to the value accumulators, a sum that the zero-point term then cancels, and at 128K tokens of
+# spread attention the remainder lost ~1 % (measured, kernels/NOTES.md, v13). Centred fields
+# add terms of either sign. (Leaving the 1024 in costs 10-50x more for the same reason.)
+# Callers shift the zero point alike: `_unpacked_zero`.
+def _unpack_asm(k: int, bits: int) -> str:
+    mask = ((1 << bits) - 1) << (k * bits)
+    sub = 0x6400 | (1 << (k * bits + bits - 1))   # fp16 1024 + 2^(bits-1) 2^(k bits)
+    return ("{ .reg .b32 a<2>, c, d; mov.b32 c, 0x64006400; "
+            f"mov.b32 d, {sub << 16 | sub:#010x}; "
+            "prmt.b32 a0, $2, 0, 0x4140; prmt.b32 a1, $2, 0, 0x4342; "
+            f"lop3.b32 a0, a0, {mask << 16 | mask:#010x}, c, 0xea; "
+            f"lop3.b32 a1, a1, {mask << 16 | mask:#010x}, c, 0xea; "
+            "sub.f16x2 $0, a0, d; sub.f16x2 $1, a1, d; }")
+
+
+_ASM_8_0: tl.constexpr = tl.constexpr(_unpack_asm(0, 8))
+_ASM_4_0: tl.constexpr = tl.constexpr(_unpack_asm(0, 4))
+_ASM_4_1: tl.constexpr = tl.constexpr(_unpack_asm(1, 4))
+_ASM_2_0: tl.constexpr = tl.constexpr(_unpack_asm(0, 2))
+_ASM_2_1: tl.constexpr = tl.constexpr(_unpack_asm(1, 2))
+_ASM_2_2: tl.constexpr = tl.constexpr(_unpack_asm(2, 2))
+_ASM_2_3: tl.constexpr = tl.constexpr(_unpack_asm(3, 2))
 
 
 @triton.jit
 def _unpack_part(raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
-    """Part k of packed latents as fp16 n * 2^(k BITS), n the stored integer (exact).
+    """Part k of packed latents as fp16 (n - 2^(BITS-1)) * 2^(k BITS), n the stored integer
+    (exact); the zero point goes with it (`_unpacked_zero`).
 
     Callers divide the query part (or the output part) by 2^(k BITS). ASM=False (the Triton
     interpreter, which runs no inline assembly) computes the same numbers with plain integer ops.
@@ -72,8 +83,14 @@ def _unpack_part(raw, k: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
         x = tl.inline_asm_elementwise(code, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
     else:
         n = (raw.to(tl.int32) & (((1 << BITS) - 1) << (k * BITS))) | 0x6400
-        x = n.to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        x = n.to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + (1 << (k * BITS + BITS - 1)))
     return x
+
+
+@triton.jit
+def _unpacked_zero(zp, BITS: tl.constexpr):
+    """The zero point of fields unpacked by `_unpack_part` (centred: n - 2^(BITS-1))."""
+    return zp - (1 << (BITS - 1))
 
 
 # Field k of packed bytes as signed 8-bit integers, four bytes per 32-bit word (the operand
@@ -259,6 +276,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         k_ptr = HK + b * s_kb + g * s_kg + offs_t[:, None] * s_kt
         if BITS != 16:
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
+            zp = _unpacked_zero(zp, BITS)
         k1 = tl.zeros([BLOCK_T, HALF], tl.float32)   # RoPE: the key tile's halves
         k2 = tl.zeros([BLOCK_T, HALF], tl.float32)
         s = tl.zeros([M, BLOCK_T], tl.float32)       # otherwise: the scores
@@ -459,6 +477,7 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
                 uc += tl.dot(h, tl.trans(c3))
             if BITS != 16:
                 sc, zp = _token_scale_zero(HKS, HKZ, b * s_sb + g * s_sg, offs_t, s_st, t_ok)
+                zp = _unpacked_zero(zp, BITS)
                 ua = ua * sc[:, None] - (sc * zp)[:, None] * za[None, :]
                 uc = uc * sc[:, None] - (sc * zp)[:, None] * zc[None, :]
             cos = ci * ca[None, :] - si * sa[None, :]
@@ -504,6 +523,7 @@ def _values(S, HV, HVS, HVZ, ACC, MS, LS, LENS,
                       mask=t_ok[:, None], other=0)
         if BITS != 16:
             sc, zp = _token_scale_zero(HVS, HVZ, b * s_qb + g * s_qg, offs_t, s_qt, t_ok)
+            zp = _unpacked_zero(zp, BITS)
             # the zero-point term must use the same fp16-rounded weights as the dot: otherwise
             # their rounding (2^-12 relative) times the token's zero point lands in every column
             # alike, a common-mode error that an output projection can amplify
@@ -650,6 +670,7 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, S, ACC, MS, LS, LENS, tokens_pe
                 s += tl.dot(q2, tl.trans(_unpack_part(rk, 2, BITS_K, ASM)))
                 s += tl.dot(q3, tl.trans(_unpack_part(rk, 3, BITS_K, ASM)))
             sc, zp = _token_scale_zero(HKS, HKZ, b * s_ksb + g * s_ksg, offs_t, s_kst, t_ok)
+            zp = _unpacked_zero(zp, BITS_K)
             s = s * sc[None, :] - qsum[:, None] * (sc * zp)[None, :]
         if not SCORES_IN:
             s = tl.where(t_ok[None, :], s * qk_scale, -float("inf"))
@@ -660,6 +681,7 @@ def _fused_norope(Q, HK, HKS, HKZ, HV, HVS, HVZ, S, ACC, MS, LS, LENS, tokens_pe
             acc0 = acc0 * alpha[:, None] + tl.dot(p.to(tl.float16), rv.to(tl.float16))
         else:
             sc, zp = _token_scale_zero(HVS, HVZ, b * s_vsb + g * s_vsg, offs_t, s_vst, t_ok)
+            zp = _unpacked_zero(zp, BITS_V)
             p16 = (p * sc[None, :]).to(tl.float16)
             wz = wz * alpha + tl.sum(p16.to(tl.float32) * zp[None, :], 1)
             acc0 = acc0 * alpha[:, None] + tl.dot(p16, _unpack_part(rv, 0, BITS_V, ASM))
@@ -924,6 +946,23 @@ def one_pass_options(kbits: int, vbits: int, rk: int, rv: int, stages: int | Non
     return stages, int_keys, maxnreg
 
 
+def one_pass_tiles(kbits: int, vbits: int, rk: int, rv: int, programs: int, sms: int,
+                   block_t: int | None = None, warps: int | None = None) -> tuple[int, int]:
+    """(token tile, warps) of the one-pass kernel; None = measured default (rk = 0: keys not read,
+    the values half of a RoPE layer). `programs`: sequences x groups x cdiv(tokens, 256), the
+    programs that 128-token tiles (two per split at least) can give the GPU's `sms` SMs.
+
+    kernels/NOTES.md, session 7: 2/4-bit latents of rank <= 128 run best on 2 warps with
+    128-token tiles (64K: llama2 g1 int2 333 -> 146 us, int4 133 -> 124, K25/V75 g1 int4 154 ->
+    146, g2 int2 87 -> 75; llama3 g1 int2 82 -> 40; the RoPE g1 int2 values half 375 -> 316) as
+    long as that leaves two programs per SM (at 4K, llama3 g2 int4 8 -> 14 us with 64 programs);
+    larger ranks (K25/V75 g2 int4, value rank 192: 126 -> 226 us) and fp16 latents keep 64 / 4."""
+    packed = {kbits, vbits} - {16}
+    small = packed and packed <= {2, 4} and max(rk, rv) <= 128 and programs >= 2 * sms
+    d = (128, 2) if small else (64, 4)
+    return (block_t or d[0], warps or d[1])
+
+
 def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,
                   warps: int | None = None, int_keys: bool = False) -> tuple[int, int, int]:
     """(token tile, pipeline stages, warps) of the folded-query RoPE scores kernel; None = measured.
@@ -948,14 +987,19 @@ def _qproj_int_fits(kbits: int, rkp: int) -> bool:
     return kbits != 16 and rkp >= 32 and rkp & (rkp - 1) == 0
 
 
-def qproj_int_default(kbits: int, rkp: int) -> bool:
+def qproj_int_default(kbits: int, rkp: int, tokens_per_split: int) -> bool:
     """Whether the folded-query kernel takes packed keys through int8 dots when not told.
 
-    Measured (kernels/NOTES.md, session 6, llama2 64K): faster for 4-bit keys (G-LRD-4 644 ->
+    Measured (kernels/NOTES.md, sessions 6-7, llama2): faster for 4-bit keys (64K: G-LRD-4 644 ->
     584 us, G-LRD-2 413 -> 361, K25/V75 g4 435 -> 391, M-LRD 377 -> 353 on 4 warps), slower for
-    2-bit (G-LRD-4 517 -> 550); 8-bit not measured, so it keeps the measured fp16 unpack. Not
-    length-dependent yet, although the fp16 unpack was 3-10 % faster at 4K-16K."""
-    return kbits == 4 and _qproj_int_fits(kbits, rkp)
+    2-bit (G-LRD-4 517 -> 550); 8-bit not measured, so it keeps the measured fp16 unpack. At key
+    rank 256 (128 stored columns) only with >= 1408 tokens per program: the int8 path folds the
+    query twice per program, and over fewer tokens that costs more than its dots save (G-LRD-4
+    int4, batch 1, 33 splits: 4K 95 -> 133 us, 32K 404 -> 435, 40K 432 -> 449, 48K 525 -> 510,
+    128K 1127 -> 934; batch 8 at 16K, 5 splits of 3.3K tokens: 1179 -> 1008); ranks <= 128 win
+    at every length."""
+    return (kbits == 4 and _qproj_int_fits(kbits, rkp)
+            and (rkp < 128 or tokens_per_split >= 1408))
 
 
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
@@ -963,8 +1007,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 splits: int | None = None,
                 block_t: int = 32, block_r: int | None = None, block_rv: int = 64,
                 stages: tuple[int, int] = (2, 3), warps: tuple[int, int] = (4, 4),
-                fused: bool | None = None, fused_block_t: int = 64, fused_stages: int | None = None,
-                fused_warps: int = 4, fused_maxnreg: int | None = None,
+                fused: bool | None = None, fused_block_t: int | None = None, fused_stages: int | None = None,
+                fused_warps: int | None = None, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
                 qproj_warps: int | None = None, qproj_int: bool | None = None) -> torch.Tensor:
@@ -1036,6 +1080,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if fused is not False and not why_not:
         fused_stages, int_keys, fused_maxnreg = one_pass_options(
             kbits, vbits, rk, rv, fused_stages, fused_int_keys, fused_maxnreg)
+        fused_block_t, fused_warps = one_pass_tiles(kbits, vbits, rk, rv, B * G * triton.cdiv(T, 256),
+                                                    _sm_count(dev), fused_block_t, fused_warps)
         return _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths,
                           scale, B, G, T, H, rk, rv, group_size * n_rep, mv,
                           fused_block_t, fused_stages, fused_warps, splits, fused_maxnreg, int_keys)
@@ -1061,8 +1107,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
-    if qproj_int is None:
-        qproj_int = bool(qproj) and qproj_int_default(kbits, rkp)
+    int_told = qproj_int is not None
+    if not int_told:   # provisional (the whole sequence as one split); final once splits are known
+        qproj_int = bool(qproj) and qproj_int_default(kbits, rkp, T)
     if qproj_int and not _qproj_int_fits(kbits, rkp):
         raise ValueError(f"qproj_int needs packed keys with a power-of-two number >= 32 of stored "
                          f"columns (key rank {rk}, {kbits}-bit)")
@@ -1080,6 +1127,10 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         sms = _sm_count(dev)
         splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
     per_split, splits = _even_splits(T, splits, block_t)
+    if qproj and not int_told:
+        # only the rank-256 choice depends on the split's length, and its tiles are the same
+        # either way (qproj_options), so the splits above stand
+        qproj_int = qproj_int_default(kbits, rkp, per_split)
     M = max(16, triton.next_power_of_2(rows))
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata
@@ -1107,6 +1158,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         _scores[grid](*args, DYN_CHUNKS=_dynamic_chunks(grid, args, meta, dev), **meta)
     if fused is not False and not _values_unfit(rv, vbits, mv):
         # the values half through the one-pass kernel (one wave, v9 unpacking, whole ranks)
+        fused_block_t, fused_warps = one_pass_tiles(16, vbits, 0, rv, B * G * triton.cdiv(T, 256),
+                                                    _sm_count(dev), fused_block_t, fused_warps)
         return _run_fused(q, q, q, q, 16, vdata, vscale, vzero, vbits, lengths, scale, B, G, T, H,
                           16, rv, group_size * n_rep, mv, fused_block_t,
                           fused_stages or (2 if vbits == 16 else 3), fused_warps, splits_arg,

@@ -183,9 +183,11 @@ if __name__ == "__main__":
         sys.exit()
     print(f"triton {triton.__version__}, sm_90, one-pass kernel, rank 256, 4 query rows, "
           "64-token tiles, 4 warps")
-    print(f"{'bits':>4} {'keys':>5} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10}  top opcodes")
+    print(f"{'bits':>4} {'keys':>5} {'regs':>5} {'smem':>7} {'loop':>6} {'per token':>10} "
+          f"{'tensor-core ops':>18}  top opcodes")
     for bits, int_keys in ((16, False), (8, False), (8, True), (4, False), (4, True), (2, False), (2, True)):
         p = loop_profile(compile_fused(bits=bits, stages=2 if bits == 16 else 3, int_keys=int_keys))
+        mma = f"HMMA {p['ops']['HMMA']:3d} IMMA {p['ops']['IMMA']:3d}"
         top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(10))
         print(f"{bits:4d} {'int8' if int_keys else 'fp16':>5} {p['registers']:5d} {p['shared']:7d} "
-              f"{p['loop_instructions']:6d} {p['loop_instructions'] * 4 / 64:10.1f}  {top}")
+              f"{p['loop_instructions']:6d} {p['loop_instructions'] * 4 / 64:10.1f} {mma:>18}  {top}")
