@@ -62,6 +62,17 @@ def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
     assert not out.exists()
 
 
+def test_tune_rows_take_their_own_variants_or_the_shared_list():
+    from palu.bench.latency import tune_plan
+    row = {"shape": "s", "length": 4096, "group": 1, "kept": [0.5, 0.5], "bits": 4, "rope": False}
+    other = {**row, "shape": "t"}    # another shape's row: timed by that shape's run
+    cfg = {"shapes": {"s": {}}, "tune": [row, other, {**row, "variants": [{"qproj_int": True}]}],
+           "tune_variants": [{}, {"splits": 8}]}
+    (a, va), (b, vb) = tune_plan(cfg)
+    assert a == b == row and va == [{}, {"splits": 8}] and vb == [{"qproj_int": True}]
+    assert tune_plan({"shapes": {"s": {}}, "tune": [row]}) == [(row, [{}])]
+
+
 def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
     from palu.bench.latency import tune_params
     assert tune_params([32, [2, 3], [4, 4], 64]) == dict(block_t=32, stages=(2, 3), warps=(4, 4), block_r=64)

@@ -138,12 +138,25 @@ def tune_params(variant) -> dict:
     return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
 
 
+def tune_plan(cfg) -> list[tuple[dict, list]]:
+    """(configuration, variants) per `tune` row: the row's own `variants`, else `tune_variants`.
+    Rows of shapes that this run does not time (one run per shape) are left to that shape's run."""
+    plan = []
+    for row in cfg.get("tune", []):
+        if row["shape"] not in cfg["shapes"]:
+            continue
+        case = {k: v for k, v in row.items() if k != "variants"}
+        plan.append((case, row.get("variants") or cfg.get("tune_variants") or [{}]))
+    return plan
+
+
 def tune(cfg, ceil, log) -> list[dict]:
-    """Time kernel launch parameters on a few representative configurations (kernel notes)."""
+    """Time kernel launch parameters on a few representative configurations (kernel notes): each
+    `tune` row under every `tune_variants` entry, or under the row's own `variants`."""
     from kernels.palu_decode import palu_decode
     from kernels.reference import latent_decode_reference
     out = []
-    for case in cfg.get("tune", []):
+    for case, variants in tune_plan(cfg):
         shape = cfg["shapes"][case["shape"]]
         qi, hk, hv, kw, c = palu_case(shape, 1, case["length"], case["group"], case["kept"][0],
                                       case["kept"][1], case["bits"], case["rope"])
@@ -152,7 +165,7 @@ def tune(cfg, ceil, log) -> list[dict]:
         # Every variant is checked against the float32 reference as well as timed: a faster
         # variant that computes something else must not look like a win.
         ref = latent_decode_reference(qi, hk, hv, **kw)
-        for v in cfg["tune_variants"]:
+        for v in variants:
             params = tune_params(v)
             fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
             try:
