@@ -36,7 +36,7 @@ LOG2E = 1.4426950408889634
 # value; this spends 1.25. Why centred: the tensor cores' fp32 accumulation truncates, so its
 # error grows with the partial sums' size; with n in [0, 2^bits) every token adds ~2^(bits-1) s p
 # to the value accumulators, a sum that the zero-point term then cancels, and at 128K tokens of
-# spread attention the remainder lost ~1 % (measured, kernels/NOTES.md, v13). Centred fields
+# spread attention the remainder lost 0.6-2 % (measured, kernels/NOTES.md, v13). Centred fields
 # add terms of either sign. (Leaving the 1024 in costs 10-50x more for the same reason.)
 # Callers shift the zero point alike: `_unpacked_zero`.
 def _unpack_asm(k: int, bits: int) -> str:
@@ -995,7 +995,7 @@ def qproj_int_default(kbits: int, rkp: int, tokens_per_split: int) -> bool:
     2-bit (G-LRD-4 517 -> 550); 8-bit not measured, so it keeps the measured fp16 unpack. At key
     rank 256 (128 stored columns) only with >= 1408 tokens per program: the int8 path folds the
     query twice per program, and over fewer tokens that costs more than its dots save (G-LRD-4
-    int4, batch 1, 33 splits: 4K 95 -> 133 us, 32K 404 -> 435, 40K 432 -> 449, 48K 525 -> 510,
+    int4, batch 1, 33 splits from 16K on: 4K 95 -> 133 us, 32K 404 -> 435, 40K 432 -> 449, 48K 525 -> 510,
     128K 1127 -> 934; batch 8 at 16K, 5 splits of 3.3K tokens: 1179 -> 1008); ranks <= 128 win
     at every length."""
     return (kbits == 4 and _qproj_int_fits(kbits, rkp)
