@@ -1027,6 +1027,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     `warps` are those of `_scores` and `_values`, tuned in kernels/NOTES.md; `qproj_int`: packed
     keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
     `qproj_int_default`);
+    `fused_block_t` / `fused_warps=None`: the measured tiles of `one_pass_tiles`;
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
     tensor-core dots (None: where measured faster, with a 128-register cap at rank 256).
