@@ -56,7 +56,10 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     # so that kernels/quantize.py reproduces this bit for bit. A token whose latents all share
     # one sign gets a zero point outside [0, levels] (clamping it there saturated every value);
     # the scale is kept >= |lo| / ZERO_LIMIT so the zero point stays an integer fp16 holds exactly.
-    scale = torch.maximum((hi - lo) / levels, lo.abs() / ZERO_LIMIT).clamp_min(MIN_SCALE).half()
+    # Divisions by a same-device tensor: torch on a GPU turns a division by a Python number into
+    # a multiplication by its reciprocal (1 ulp off now and then), on a CPU it divides.
+    scale = torch.maximum((hi - lo) / torch.full_like(hi, levels), lo.abs() / ZERO_LIMIT)
+    scale = scale.clamp_min(MIN_SCALE).half()
     zero = torch.floor(-lo / scale.float() + 0.5).half()
     q = torch.floor(hf / scale.float()[..., None] + zero.float()[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
     parts = q.split(R // per_byte, dim=-1)

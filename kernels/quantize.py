@@ -16,11 +16,19 @@ from .layout import MIN_SCALE, ZERO_LIMIT, QuantLatent
 
 
 @triton.jit
+def _div(a, b):
+    """IEEE round-to-nearest division, as torch divides: Triton's `/` on fp32 compiles to the
+    approximate div.full.f32 (2 ulp), which moved a value across a rounding boundary now and then
+    (found by a 70K-token GPU test; 5-token tests never hit one)."""
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
 def _quantize_store(H, DATA, SCALE, ZERO, start,
                     s_hb, s_hg, s_ht, s_db, s_dg, s_dt, s_sb, s_sg, s_st,
                     R: tl.constexpr, RP_P2: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
                     MIN_S: tl.constexpr, ZLIM: tl.constexpr):
-    pid, t = tl.program_id(0), tl.program_id(1)
+    t, pid = tl.program_id(0), tl.program_id(1)   # tokens on axis 0: up to 2^31 - 1 (axis 1: 65535)
     b, g = pid // G, pid % G
     PER: tl.constexpr = 8 // BITS
     RP: tl.constexpr = R // PER
@@ -35,19 +43,30 @@ def _quantize_store(H, DATA, SCALE, ZERO, start,
         lo = tl.minimum(lo, tl.where(ok, x, float("inf")))
         hi = tl.maximum(hi, tl.where(ok, x, -float("inf")))
     lo_all, hi_all = tl.min(lo, 0), tl.max(hi, 0)
-    scale = tl.maximum(tl.maximum((hi_all - lo_all) / LEVELS, tl.abs(lo_all) / ZLIM), MIN_S).to(tl.float16)
+    zeros = lo_all * 0.0
+    scale = tl.maximum(tl.maximum(_div(hi_all - lo_all, zeros + LEVELS), _div(tl.abs(lo_all), zeros + ZLIM)), MIN_S).to(tl.float16)
     sf = scale.to(tl.float32)
-    zero = tl.floor(-lo_all / sf + 0.5).to(tl.float16)     # see quantize_latent
+    zero = tl.floor(_div(-lo_all, sf) + 0.5).to(tl.float16)     # see quantize_latent
     zf = zero.to(tl.float32)
+    sfv = tl.zeros([RP_P2], tl.float32) + sf
     packed = tl.zeros([RP_P2], tl.int32)
     for k in tl.static_range(PER):
         x = tl.load(src + k * RP + cols, mask=ok, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.floor(x / sf + zf + 0.5), 0.0), LEVELS).to(tl.int32)
+        q = tl.minimum(tl.maximum(tl.floor(_div(x, sfv) + zf + 0.5), 0.0), LEVELS).to(tl.int32)
         packed = packed | (q << (k * BITS))
     row = b * s_db + g * s_dg + (start + t) * s_dt
     tl.store(DATA + row + cols, packed.to(tl.uint8), mask=ok)
     tl.store(SCALE + b * s_sb + g * s_sg + (start + t) * s_st, scale)
     tl.store(ZERO + b * s_sb + g * s_sg + (start + t) * s_st, zero)
+
+
+MAX_GRID_Y = 65535
+
+
+def quantize_grid(B: int, G: int, n: int) -> tuple[int, int]:
+    """Tokens on the grid's first axis: a prefill of n >= 64K tokens on the second axis (at most
+    65535 programs) failed with CUDA's "invalid argument" (found by the transformers benchmark)."""
+    return (n, B * G)
 
 
 def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int) -> None:
@@ -56,8 +75,11 @@ def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int) -> None:
     if R != dst.rank or dst.data.shape[:2] != (B, G):
         raise ValueError(f"latents {tuple(h.shape)} do not match the cache "
                          f"({tuple(dst.data.shape[:2])} x rank {dst.rank})")
+    if B * G > MAX_GRID_Y:
+        raise ValueError(f"batch x groups = {B} x {G} = {B * G} exceeds the {MAX_GRID_Y} programs a "
+                         "CUDA grid's second axis takes")
     rp = R // (8 // dst.bits)
-    _quantize_store[(B * G, n)](
+    _quantize_store[quantize_grid(B, G, n)](
         h, dst.data, dst.scale, dst.zero, start, h.stride(0), h.stride(1), h.stride(2),
         dst.data.stride(0), dst.data.stride(1), dst.data.stride(2),
         dst.scale.stride(0), dst.scale.stride(1), dst.scale.stride(2),

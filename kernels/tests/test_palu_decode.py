@@ -320,6 +320,35 @@ def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
     assert torch.isfinite(dequantize_latent(ref)).all()
 
 
+def test_quantise_store_puts_tokens_on_the_long_grid_axis():
+    # A 64K-token prefill on the grid's second axis (at most 65535 programs) failed on the GPU
+    # with "invalid argument"; the first axis takes 2^31 - 1.
+    from kernels.layout import QuantLatent
+    from kernels.quantize import MAX_GRID_Y, quantize_grid, quantize_into
+    assert quantize_grid(2, 8, 131072) == (131072, 16)
+    h = torch.zeros(MAX_GRID_Y + 1, 1, 1, 32, dtype=torch.float16)
+    dst = QuantLatent(torch.zeros(MAX_GRID_Y + 1, 1, 1, 16, dtype=torch.uint8), torch.zeros(MAX_GRID_Y + 1, 1, 1),
+                      torch.zeros(MAX_GRID_Y + 1, 1, 1), 4, 32)
+    with pytest.raises(ValueError, match="65536 exceeds the 65535"):
+        quantize_into(h, dst, start=0)
+
+
+@pytest.mark.skipif(DEV == "cpu", reason="70K tokens: slow in the interpreter; runs on a GPU")
+def test_quantise_store_takes_a_prefill_longer_than_65535_tokens():
+    from kernels.layout import QuantLatent
+    from kernels.quantize import quantize_into
+    n = 70_000
+    h = torch.randn(1, 2, n, 64, device=DEV).half()
+    ref = quantize_latent(h, 4)
+    dst = QuantLatent(torch.zeros(1, 2, n, 32, dtype=torch.uint8, device=DEV),
+                      torch.zeros(1, 2, n, dtype=torch.float16, device=DEV),
+                      torch.zeros(1, 2, n, dtype=torch.float16, device=DEV), 4, 64)
+    quantize_into(h, dst, start=0)
+    bad = [(dst.data != ref.data).sum().item(), (dst.scale != ref.scale).sum().item(),
+           (dst.zero != ref.zero).sum().item()]
+    assert bad == [0, 0, 0], f"bytes / scales / zero points that differ from torch: {bad}"
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4, 2])
 @pytest.mark.parametrize("s", [1, 2])
 def test_folded_query_rope_scores_match_reference_and_rebuilt_keys(bits, s):
