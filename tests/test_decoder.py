@@ -73,3 +73,17 @@ def test_step_flops_counts_the_work_each_path_does():
     rope = step_flops(s, full, context=99)
     norope = step_flops(dataclasses.replace(s, rope=False), full, context=99)
     assert rope > dense and norope < rope    # rebuilding keys costs; the fused query does not
+
+
+def test_fused_elementwise_ops_compute_the_same_model():
+    # kernels/fused_ops.py (here through the interpreter) against the torch expressions.
+    tokens = torch.randint(0, SHAPE.vocab, (2, 6), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for fused in (False, True):
+        dense = Decoder(SHAPE, seed=4, weight_std=0.3, fused_ops=fused)
+        assert dense.fused_ops is fused
+        palu = Decoder.palu_from_dense(dense, PaluSpec(2, 32, 32))
+        assert palu.fused_ops is fused
+        outs.append(_decode(dense, tokens))
+    assert _rel(outs[1], outs[0]) < 5e-3
+    assert Decoder(SHAPE, init=False).fused_ops is False          # default: only on a GPU

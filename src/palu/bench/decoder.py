@@ -100,9 +100,12 @@ class Decoder:
 
     def __init__(self, shape: DecoderShape, palu: PaluSpec | None = None, device="cpu",
                  dtype=torch.float16, seed: int = 0, kernel_params: dict | None = None, init=True,
-                 weight_std: float = 0.02):
+                 weight_std: float = 0.02, fused_ops: bool | None = None):
         self.shape, self.palu, self.device, self.dtype = shape, palu, torch.device(device), dtype
         self.kernel_params = kernel_params or {}
+        # residual add + RMSNorm and SiLU * up as one Triton launch each (kernels/fused_ops.py);
+        # None: on a GPU. Dense and Palu models alike.
+        self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
         if palu is not None:
             if shape.kv_heads % palu.group_size:
                 raise ValueError(f"group_size={palu.group_size} does not divide kv_heads={shape.kv_heads}")
@@ -143,7 +146,8 @@ class Decoder:
     def palu_from_dense(cls, dense: "Decoder", palu: PaluSpec) -> "Decoder":
         """Per-group truncated SVD of the dense W_k / W_v (exact at full rank), float64."""
         s = dense.shape
-        out = cls(s, palu, dense.device, dense.dtype, kernel_params=dense.kernel_params, init=False)
+        out = cls(s, palu, dense.device, dense.dtype, kernel_params=dense.kernel_params, init=False,
+                  fused_ops=dense.fused_ops)
         out.embed, out.norm, out.lm_head = dense.embed, dense.norm, dense.lm_head
         n = palu.group_size * s.head_dim                                   # rows of one group
 
@@ -199,14 +203,29 @@ class Decoder:
         s = self.shape
         ang = pos * self.inv_freq
         cos, sin = ang.cos().to(self.dtype), ang.sin().to(self.dtype)
-        x = self.embed[tokens]
+        x, delta = self.embed[tokens], None
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer["ln1"], s.eps)
+            x, h = self._add_norm(x, delta, layer["ln1"])
             attn = self._attend(i, layer, h, pos, cos, sin, cache)
-            x = x + F.linear(attn, layer["wo"])
-            gate, up = F.linear(rms_norm(x, layer["ln2"], s.eps), layer["w_gate_up"]).chunk(2, -1)
-            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
-        return F.linear(rms_norm(x, self.norm, s.eps), self.lm_head)
+            x, h = self._add_norm(x, F.linear(attn, layer["wo"]), layer["ln2"])
+            delta = F.linear(self._swiglu(F.linear(h, layer["w_gate_up"])), layer["w_down"])
+        x, h = self._add_norm(x, delta, self.norm)
+        return F.linear(h, self.lm_head)
+
+    def _add_norm(self, x, delta, w):
+        """(x + delta, RMSNorm(x + delta) w); delta None: (x, RMSNorm(x) w)."""
+        if self.fused_ops:
+            from kernels.fused_ops import add_rms_norm
+            return add_rms_norm(x, delta, w, self.shape.eps)
+        x = x if delta is None else x + delta
+        return x, rms_norm(x, w, self.shape.eps)
+
+    def _swiglu(self, gate_up):
+        if self.fused_ops:
+            from kernels.fused_ops import silu_mul
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, -1)
+        return F.silu(gate) * up
 
     def _attend(self, i, layer, h, pos, cos, sin, cache):
         s, B = self.shape, h.shape[0]
