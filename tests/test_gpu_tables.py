@@ -38,12 +38,27 @@ def test_decode_table_and_memory_figure_from_committed_runs(tmp_path):
     assert (tmp_path / "figures" / "memory_vs_context.png").stat().st_size > 10_000
 
 
+def test_decode_table_has_the_transformers_section_when_the_run_has_one():
+    from palu.reporting.decode import hf_markdown
+    rows = [{"variant": v, "context": t, "seconds_per_token": ms / 1e3, "seconds_min": ms / 2e3,
+             "cache_bytes": 2 ** 30, "speedup": sp}
+            for v, ms, sp in (("hf-fp16-static", 48.0, 1.0), ("hf-palu50-g4-int4", 60.0, 0.8)) for t in (4096, 65536)]
+    rows.append({"variant": "hf-palu50-g4-fp16", "context": 4096, "error": "out of memory"})
+    md = hf_markdown({"rows": rows, "checks": [{"variant": "hf-palu50-g4-int4", "bits": 4, "context": 512,
+                                                "rel_err": 8e-3, "kernel_layers": 32}],
+                      "baseline": "hf-fp16-static"})
+    assert "Speed-up over hf-fp16-static" in md and re.search(r"\| hf-palu50-g4-int4 +\| +60\.00 +\|", md)
+    assert "out of memory" in md and "8.00e-03" in md
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda c: c["variants"].append(dict(c["variants"][0])), "variant names must be unique"),
     (lambda c: c["variants"][1].update(baseline="nope"), "baseline 'nope' is not one of"),
     (lambda c: c["variants"][1]["palu"].update(group_size=3), "group_size=3 does not divide kv_heads=32"),
     (lambda c: c["variants"][1]["palu"].update(kept_k=1.5), "kept_k=1.5 must be in"),
     (lambda c: c["shape"].update(heads=30), "heads=30 is not a multiple of kv_heads=32"),
+    (lambda c: c["hf"].update(baseline="nope"), "hf.baseline 'nope' is not one of the variants"),
+    (lambda c: c["hf"]["variants"][1].update(cache="paged"), "cache 'paged' is not one of"),
 ])
 def test_decode_benchmark_rejects_bad_configs_before_gpu_work(change, message):
     cfg = copy.deepcopy(DECODE_CONF)

@@ -83,6 +83,33 @@ def test_latent_cache_tracks_position_contiguity_as_tokens_arrive():
     assert not fresh.layers[0].contiguous         # a gap inside the prefill
 
 
+def test_contiguity_is_checked_once_per_step_for_all_layers():
+    # transformers passes one position_ids tensor to every layer: one check (a host sync on a
+    # GPU) serves all of them, unless a layer's positions or the tensor differ.
+    cache = palu.LatentCache(num_layers=4)
+    hk, hv = torch.zeros(1, 3, 8), torch.zeros(1, 3, 6)
+
+    def step(positions, per_layer=False):
+        for i in range(4):
+            n = positions.shape[1]
+            cache.update_latent(hk[:, :n], hv[:, :n], positions.clone() if per_layer else positions, i)
+        return cache._contiguity_memo["checks"], [lay.contiguous for lay in cache.layers]
+
+    assert step(torch.arange(3)[None]) == (1, [True] * 4)              # prefill
+    assert step(torch.tensor([[3]])) == (2, [True] * 4)
+    assert step(torch.tensor([[4]]), per_layer=True) == (6, [True] * 4)  # four tensors: four checks
+    # the layers' histories now differ (four tensors): each checks for itself, and sees the gap
+    assert step(torch.tensor([[9]])) == (10, [False] * 4)
+    fresh = palu.LatentCache(num_layers=2)
+    pos = torch.arange(3)[None]
+    fresh.update_latent(hk, hv, pos, 0)
+    pos[0, 2] = 7                                                      # written in place: a new version
+    fresh.update_latent(hk, hv, pos, 1)
+    assert fresh._contiguity_memo["checks"] == 2 and [lay.contiguous for lay in fresh.layers] == [True, False]
+    fresh.layers[1].crop(1)                                            # positions changed outside
+    assert fresh.layers[1]._history != fresh.layers[0]._history
+
+
 @pytest.mark.parametrize("scaling, kernel", [
     ({"rope_type": "linear", "factor": 2.0}, True),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -215,3 +242,16 @@ def test_head_dim_the_kernels_cannot_rotate_takes_the_torch_path(monkeypatch):
     assert "head_dim 96" in can_use_kernel(attn, torch.zeros(1, 1, 384), None)
     out = _decode_logits(base, ids, steps=2)
     assert torch.allclose(out, ref)
+
+
+def test_stacked_bk_is_built_once_and_again_after_an_in_place_write():
+    from types import SimpleNamespace
+
+    from palu.attention.kernel_backend import _stacked_bk
+    attn = SimpleNamespace(n_groups=2, B_k0=torch.randn(8, 4), B_k1=torch.randn(8, 4))
+    first = _stacked_bk(attn)
+    assert first.dtype == torch.float16 and first.shape == (2, 8, 4)
+    assert _stacked_bk(attn) is first                       # reused while nothing changed
+    attn.B_k1.mul_(2)                                       # e.g. load_state_dict copies in place
+    again = _stacked_bk(attn)
+    assert again is not first and torch.equal(again[1], attn.B_k1.half())

@@ -62,7 +62,7 @@ def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = No
         hv = as_groups(hv_all.unsqueeze(1), G).half()
     kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=s)
     if attn.geom.rope:
-        bk = torch.stack([getattr(attn, f"B_k{g}") for g in range(G)]).half()
+        bk = _stacked_bk(attn)
         if attn.k_bias is not None:
             return None  # a key bias is not folded into the kernel's rebuild
         pos = kpos.expand(B, -1)
@@ -80,8 +80,22 @@ def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = No
         z = palu_decode(qf[:, :, 0].half(), hk, hv, **kw)
     z = z.to(x.dtype)                                                      # (B, H, r_v)
     per_group = s * attn.geom.n_rep
-    out = attn.o_bias_fused.expand(B, -1).clone()
+    out = attn.o_bias_fused.expand(B, -1)
     for g in range(G):
         zg = z[:, g * per_group:(g + 1) * per_group].reshape(B, -1)
-        out = out + zg @ getattr(attn, f"Wo_fused{g}").T
+        out = torch.addmm(out, zg, getattr(attn, f"Wo_fused{g}").T)
     return out[:, None]
+
+
+def _stacked_bk(attn) -> torch.Tensor:
+    """The groups' B_k as one fp16 tensor [G, s*hd, r], built once per module (and again if the
+    module moves or a B_k is written in place): stacking it every step cost a copy of every B_k
+    per layer and token."""
+    first = attn.B_k0
+    key = (first.device, first.dtype) + tuple((b.data_ptr(), b._version) for b in
+                                              (getattr(attn, f"B_k{g}") for g in range(attn.n_groups)))
+    cached = getattr(attn, "_kernel_bk", None)
+    if cached is None or cached[0] != key:
+        bk = torch.stack([getattr(attn, f"B_k{g}") for g in range(attn.n_groups)]).half()
+        attn._kernel_bk = cached = (key, bk)
+    return cached[1]

@@ -120,7 +120,6 @@ class PaluAttention(nn.Module):
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
-                kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         if self.fuse and self.backend != "torch" and past_key_values is not None:
             from .kernel_backend import can_use_kernel, kernel_decode
             bits = layer.bits if layer is not None else None
@@ -132,6 +131,8 @@ class PaluAttention(nn.Module):
                     return out, None
         if hk_all is None:
             hk_all, hv_all = layer.latents(x.dtype)
+        if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
+            kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         outs, heads = [], []
         k_off = v_off = 0
         for g in range(self.n_groups):
@@ -200,8 +201,10 @@ class PaluAttention(nn.Module):
     def _mask(attention_mask, T, S, device):
         if attention_mask is not None:
             return attention_mask[..., :S]
-        if S == T:
-            return None  # plain causal without a cache: SDPA's is_causal (its fast kernels)
+        if S == T or T == 1:
+            # plain causal without a cache: SDPA's is_causal (its fast kernels); one query token
+            # sees every cached token: no mask (a tensor here cost the kernel path a host sync)
+            return None
         # No mask given but a cache: causal, with the cached tokens all visible.
         t = torch.arange(T, device=device)[:, None] + (S - T)
         return torch.arange(S, device=device)[None, :] <= t

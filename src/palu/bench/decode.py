@@ -27,7 +27,8 @@ def _check_small(cfg, log) -> list[dict]:
     out = []
     for rope, bits in ((True, 16), (True, 8), (True, 4), (False, 16), (False, 4)):
         small = DecoderShape(**cfg["check_shape"], rope=rope)
-        dense = Decoder(small, device="cuda", seed=1, weight_std=0.1, kernel_params=cfg.get("kernel"))
+        dense = Decoder(small, device="cuda", seed=1, weight_std=0.1, kernel_params=cfg.get("kernel"),
+                        fused_ops=cfg.get("fused_ops"))
         tokens = torch.randint(0, small.vocab, (2, 40), device="cuda",
                                generator=torch.Generator("cuda").manual_seed(0))
         full = small.head_dim * cfg["check_group_size"]
@@ -101,6 +102,9 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
             raise ValueError(f"variant {name!r}: baseline {base!r} is not one of the variants {names}")
     # validates every variant before any GPU work
     specs = {v["name"]: variant_spec(shapes[v["name"]], v) for v in cfg["variants"]}
+    if cfg.get("hf"):
+        from .hf_decode import hf_plan
+        hf_plan(cfg)
     if not torch.cuda.is_available():
         raise RuntimeError("the decode benchmark needs a CUDA GPU (none visible here)")
     import triton
@@ -117,11 +121,12 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
         # showed peaks of later variants 0.5-1 GiB above weights + cache); it is recorded and
         # subtracted, so each variant's peak is its own.
         resident = torch.cuda.memory_allocated()
-        model = Decoder(shape, spec, device="cuda", seed=0, kernel_params=cfg.get("kernel"))
+        model = Decoder(shape, spec, device="cuda", seed=0, kernel_params=cfg.get("kernel"),
+                        fused_ops=cfg.get("fused_ops"))
         weights = model.weight_bytes()
         for context in cfg["contexts"]:
             row = {"variant": name, "context": context, "batch": cfg["batch"], "weight_bytes": weights,
-                   "resident_before_bytes": resident,
+                   "resident_before_bytes": resident, "fused_ops": model.fused_ops,
                    "rope": shape.rope, "baseline": baselines[name],
                    "group_size": spec.group_size if spec else None, "rank_k": spec.rank_k if spec else None,
                    "rank_v": spec.rank_v if spec else None, "bits": spec.bits if spec else 16}
@@ -151,11 +156,16 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
         base = times.get((r["baseline"], r["context"]))
         if "error" not in r and base:
             r["speedup"] = base / r["seconds_per_token"]
+    if cfg.get("hf"):   # the transformers path (eager), after the graph-replayed decoder
+        from .hf_decode import run_hf
+        hf = run_hf(cfg, log)
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "checks": checks, "rows": rows,
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "python": platform.python_version(), "cuda": torch.version.cuda},
               "weights": "random fp16 (decode time does not depend on the weight values)",
               "config": cfg, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if cfg.get("hf"):
+        result["hf"] = hf
     if out:
         from ..io import write_text
         write_text(out, json.dumps(result, indent=1))

@@ -232,9 +232,9 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
                            "python": platform.python_version(), "cuda": torch.version.cuda},
               "config": cfg, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+    if out:   # atomically: an interrupted run leaves no half-written results file
+        from ..io import write_text
+        write_text(out, json.dumps(result, indent=1))
     return result
 
 

@@ -17,6 +17,8 @@ token, O(T^2) per generation). The prefill is stored exactly, without spare room
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -49,6 +51,9 @@ def _dequantize_groups(data, sz, ranks, bits, dtype):
     return torch.cat(out, -1)
 
 
+_FRESH = itertools.count(-1, -1)   # fingerprints no hash of a real history collides with in practice
+
+
 class LatentLayer(DynamicLayer):
     def __init__(self, bits: int | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -61,6 +66,10 @@ class LatentLayer(DynamicLayer):
         # take a per-row offset and their fast RoPE path. Tracked as tokens arrive, so a decode
         # step checks its new tokens only, not the whole cache.
         self.contiguous = True
+        # Host-side fingerprint of the position tensors appended so far: layers with the same
+        # fingerprint hold the same positions, so one layer's contiguity check (a host sync)
+        # serves the others (`update_latent`'s memo). 0: no positions yet.
+        self._history = 0
         self._room: dict[str, torch.Tensor] = {}      # the buffers the per-token tensors view
 
     def _extend(self, name: str, view: torch.Tensor | None, shape, dim: int, dtype, device) -> torch.Tensor:
@@ -118,12 +127,14 @@ class LatentLayer(DynamicLayer):
         self.values = self._append("values", self.values, value_states, value_states.dim() - 2)
         return self.keys, self.values
 
-    def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True):
+    def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True, memo: dict | None = None):
         """Append latents (B, T, R) and positions (B, T); return everything stored so far.
 
         Packed mode: `ranks` = (per-group key ranks, value ranks), default one group each; the
         latents come back dequantised, or as (None, None) with `dequantize=False` (a caller
         whose kernels read them packed, `packed_groups`, fetches `latents()` only if needed).
+        `memo`: shared by the layers of one cache (`LatentCache`); a layer whose positions so far
+        and new positions tensor match the last check's takes its answer instead of checking.
         """
         if self.bits is None:
             keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
@@ -135,11 +146,23 @@ class LatentLayer(DynamicLayer):
             self._store_packed(hk, self.ranks[0], "keys", "key_sz")
             self._store_packed(hv, self.ranks[1], "values", "value_sz")
             keys, values = self.latents(hk.dtype) if dequantize else (None, None)
+        # transformers hands every layer the same position_ids tensor in a forward pass: its
+        # identity, storage and version name its contents without reading them
+        state = (self._history, id(positions), positions.data_ptr(), positions._version,
+                 tuple(positions.shape), hk.shape[0])
+        positions_in = positions
         positions = positions.to(torch.int32).expand(hk.shape[0], -1)
         if self.contiguous:
-            start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
-            steps = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
-            self.contiguous = bool((positions == start + steps).all())
+            if memo is not None and memo.get("state") == state:
+                self.contiguous = memo["contiguous"]
+            else:   # one host sync (per decode step when a memo is shared)
+                start = positions[:, :1] if self.positions is None else self.positions[:, -1:] + 1
+                steps = torch.arange(positions.shape[1], device=positions.device, dtype=positions.dtype)
+                self.contiguous = bool((positions == start + steps).all())
+                if memo is not None:   # the tensor is held, so its id is not reused meanwhile
+                    memo.update(state=state, contiguous=self.contiguous, tensor=positions_in,
+                                checks=memo.get("checks", 0) + 1)
+        self._history = hash(state)
         self.positions = self._append("positions", self.positions, positions, 1)
         return keys, values, self.positions
 
@@ -159,6 +182,7 @@ class LatentLayer(DynamicLayer):
 
     def _map_extras(self, fn) -> None:
         """Apply `fn` to the per-token tensors kept beside keys/values (batch first, then T)."""
+        self._history = next(_FRESH)   # positions changed outside update_latent
         for name in ("positions", "key_sz", "value_sz"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
@@ -204,9 +228,11 @@ class LatentCache(Cache):
         n = num_layers if num_layers is not None else model.config.num_hidden_layers
         super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
         self.bits = bits
+        self._contiguity_memo: dict = {}   # one contiguity check per step, not per layer
 
     def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):
-        return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize)
+        return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize,
+                                                    memo=self._contiguity_memo)
 
     def nbytes(self) -> dict:
         """Bytes of the stored tokens: latents (packed in quantised mode), their scales and zero

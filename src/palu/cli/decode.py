@@ -2,7 +2,8 @@
 
     python -m palu.cli.decode out=results/decode/h200-llama2-7b.json
 The grid is conf/bench/decode.yaml (Llama-2-7B shapes, random fp16 weights); override any key,
-e.g. `bench.contexts=[4096,65536] bench.batch=8`.
+e.g. `bench.contexts=[4096,65536] bench.batch=8`. Its `hf` block times the same shapes through
+transformers (`LlamaForCausalLM` + `palu.LatentCache`, eager): `bench.hf=null` skips it.
 """
 from __future__ import annotations
 

@@ -1,0 +1,255 @@
+"""The transformers path on a GPU: time per generated token as a user of `palu` runs it.
+
+`LlamaForCausalLM` at the benchmark's shape (random fp16 weights), dense with transformers'
+`StaticCache` (preallocated, written in place) or `DynamicCache` (`generate`'s default, which
+concatenates: every step copies the whole cache) vs the same model with Palu attention installed (`install_palu`, random factors
+of the configured ranks: decode time does not depend on the values) and `palu.LatentCache`
+(fp16 or packed latents). Each step is `model(input_ids=..., past_key_values=cache)` in eager
+mode, as `generate` runs it: Python, per-layer launches and the cache's append included, no CUDA
+graph. The graph-replayed decoder (`bench.decoder`) is the kernels' best case; this is what the
+HF integration delivers, and the difference is overhead a serving stack would remove.
+
+Before timing, `check` runs one step through the kernels and through the torch reference path on
+two copies of the same cache and reports the logits' relative error (and that the kernels ran).
+"""
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+
+import torch
+
+from ..cache.latent_cache import LatentCache
+from ..decompose.factors import LayerFactors
+from .decoder import DecoderShape, PaluSpec
+
+
+@contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def hf_llama(shape: DecoderShape, device, seed: int = 0):
+    """A LlamaForCausalLM of `shape` with transformers' random init, fp16, on `device`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if not shape.rope:
+        raise ValueError("the transformers benchmark runs Llama models, which always use RoPE (rope: true)")
+    cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                      num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                      num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                      rope_theta=shape.rope_theta, rms_norm_eps=shape.eps, max_position_embeddings=1 << 20,
+                      attn_implementation="sdpa", tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    with _default_dtype(torch.float16), torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.eval()
+
+
+def random_factors(shape: DecoderShape, spec: PaluSpec, device, seed: int = 0) -> list[LayerFactors]:
+    """Per layer and group: A (r, hidden) and B (group_size * head_dim, r), Gaussian, scaled so
+    latents and rebuilt keys keep the size of their inputs."""
+    gen = torch.Generator(device).manual_seed(seed)
+    rows, groups = spec.group_size * shape.head_dim, shape.kv_heads // spec.group_size
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen, device=device) / size[-1] ** 0.5
+
+    out = []
+    for _ in range(shape.layers):
+        lf = LayerFactors()
+        for _ in range(groups):
+            lf.A_k.append(rand(spec.rank_k, shape.hidden))
+            lf.B_k.append(rand(rows, spec.rank_k))
+            lf.A_v.append(rand(spec.rank_v, shape.hidden))
+            lf.B_v.append(rand(rows, spec.rank_v))
+        out.append(lf)
+    return out
+
+
+CACHES = ("static", "dynamic")
+
+
+def new_cache(model, bits: int | None, palu: bool, kind: str = "static", max_tokens: int = 0):
+    """LatentCache for a Palu model; else transformers' StaticCache (room for `max_tokens`) or
+    DynamicCache."""
+    from transformers import DynamicCache, StaticCache
+    if palu:
+        return LatentCache(model, bits=bits)
+    if kind not in CACHES:
+        raise ValueError(f"dense cache {kind!r} is not one of {CACHES}")
+    return (StaticCache(config=model.config, max_cache_len=max_tokens) if kind == "static"
+            else DynamicCache(config=model.config))
+
+
+@torch.no_grad()
+def fill_cache(model, cache, context: int, batch: int, seed: int = 0) -> None:
+    """`context` tokens of random contents in every layer (a prefill's result, without the
+    prefill's time): keys/values for a dense cache, latents for a LatentCache."""
+    from ..attention.palu_attention import PaluAttention
+    gen = torch.Generator(model.device).manual_seed(seed)
+    cfg = model.config
+    positions = torch.arange(context, device=model.device)[None]
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if isinstance(attn, PaluAttention):
+            hk, hv = (torch.randn(batch, context, sum(r), generator=gen, device=model.device,
+                                  dtype=torch.float16) for r in (attn.ranks_k, attn.ranks_v))
+            cache.update_latent(hk, hv, positions, i, ranks=(attn.ranks_k, attn.ranks_v), dequantize=False)
+        else:
+            k, v = (torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen,
+                                device=model.device, dtype=torch.float16) for _ in range(2))
+            cache.update(k, v, i)
+
+
+@torch.no_grad()
+def time_steps(model, cache, batch: int, steps: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of `steps` greedy decode steps (after `warmup` untimed ones). Python's
+    cyclic garbage collector is off while timing: its pauses (measured on the H200 host: median
+    92 -> 67 ms/token for one configuration) are noise, not a property of either cache."""
+    tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warmup + steps):
+            start.record()
+            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            tokens = logits[:, -1:].argmax(-1)
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times.append(start.elapsed_time(end) * 1e-3)
+    finally:
+        if collecting:
+            gc.enable()
+    return times
+
+
+def set_backend(model, backend: str) -> None:
+    from ..attention.palu_attention import PaluAttention
+    for m in model.modules():
+        if isinstance(m, PaluAttention):
+            m.backend = backend
+
+
+@torch.no_grad()
+def check(model, bits: int | None, context: int, batch: int) -> dict:
+    """One decode step through the kernels and through the torch path, same cache contents."""
+    from ..attention import kernel_backend
+    calls, real = [], kernel_backend.kernel_decode
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+    tokens = torch.arange(batch, device=model.device)[:, None]
+    logits = {}
+    kernel_backend.kernel_decode = counted
+    try:
+        for backend in ("triton", "torch"):   # on a GPU "triton" = "auto" for fp16 models
+            set_backend(model, backend)
+            cache = new_cache(model, bits, palu=True)
+            fill_cache(model, cache, context, batch, seed=1)
+            logits[backend] = model(input_ids=tokens, past_key_values=cache, use_cache=True,
+                                    logits_to_keep=1).logits.float()
+    finally:
+        kernel_backend.kernel_decode = real
+        set_backend(model, "auto")
+    ref = logits["torch"]
+    err = ((logits["triton"] - ref).norm() / ref.norm()).item()
+    return {"bits": bits or 16, "context": context, "rel_err": err, "kernel_layers": len(calls)}
+
+
+def _measure(model, bits, palu: bool, kind: str, context: int, batch: int, steps: int) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    warmup = 3
+    cache = new_cache(model, bits, palu, kind, context + warmup + steps)
+    fill_cache(model, cache, context, batch)
+    times = sorted(time_steps(model, cache, batch, steps, warmup))
+    held = (cache.nbytes()["reserved"] if palu else
+            sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values)))
+    peak = torch.cuda.max_memory_allocated() - resident
+    del cache
+    return {"seconds_per_token": times[len(times) // 2], "seconds_min": times[0],
+            "peak_over_weights_bytes": peak, "cache_bytes": held}
+
+
+def hf_plan(cfg: dict) -> tuple[DecoderShape, dict, dict]:
+    """Validated (shape, {variant: PaluSpec or None}, {variant: dense cache kind}) of the decode
+    config's `hf` block: {contexts, steps, baseline, variants: [{name, cache: static | dynamic}
+    (dense) or {name, palu: {group_size, kept_k, kept_v, bits}}]}."""
+    hf = cfg["hf"]
+    shape = DecoderShape(**cfg["shape"], rope=True)
+    names = [v["name"] for v in hf["variants"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"hf variant names must be unique: {names}")
+    specs = {v["name"]: (None if v.get("palu") is None else PaluSpec.from_kept(
+        shape, v["palu"]["group_size"], v["palu"]["kept_k"], v["palu"]["kept_v"], v["palu"].get("bits", 16)))
+        for v in hf["variants"]}
+    kinds = {v["name"]: v.get("cache", "static") for v in hf["variants"]}
+    for name, kind in kinds.items():
+        if specs[name] is None and kind not in CACHES:
+            raise ValueError(f"hf variant {name!r}: cache {kind!r} is not one of {CACHES}")
+    if hf["baseline"] not in specs:
+        raise ValueError(f"hf.baseline {hf['baseline']!r} is not one of the variants {names}")
+    return shape, specs, kinds
+
+
+def run_hf(cfg: dict, log=print) -> dict:
+    """The `hf` block of the decode benchmark's config (`hf_plan`) timed on this GPU."""
+    hf, batch = cfg["hf"], cfg["batch"]
+    shape, specs, kinds = hf_plan(cfg)
+    model = hf_llama(shape, "cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows, checks, installed = [], [], None
+    # dense first, then the Palu variants grouped by their factorisation (installed in place)
+    for name, spec in sorted(specs.items(), key=lambda kv: kv[1] is not None):
+        if spec is not None and installed != (spec.group_size, spec.rank_k, spec.rank_v):
+            if installed is not None:
+                del model
+                gc.collect()
+                model = hf_llama(shape, "cuda")
+            from ..attention.install import install_palu
+            install_palu(model, random_factors(shape, spec, "cuda"), spec.group_size)
+            installed = (spec.group_size, spec.rank_k, spec.rank_v)
+            weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        bits = None if spec is None or spec.bits == 16 else spec.bits
+        if spec is not None and hf.get("check_context"):
+            c = {"variant": name, **check(model, bits, hf["check_context"], batch)}
+            log(f"hf check {name}: kernels vs torch path, rel err {c['rel_err']:.2e} "
+                f"({c['kernel_layers']} layers through the kernels)")
+            checks.append(c)
+        for context in hf["contexts"]:
+            row = {"variant": name, "context": context, "batch": batch, "weight_bytes": weights,
+                   "cache": "latent" if spec else kinds[name],
+                   "group_size": spec.group_size if spec else None, "rank_k": spec.rank_k if spec else None,
+                   "rank_v": spec.rank_v if spec else None, "bits": spec.bits if spec else 16}
+            try:
+                row.update(_measure(model, bits, spec is not None, kinds[name], context, batch, hf["steps"]))
+                log(f"hf {name} T={context}: {row['seconds_per_token'] * 1e3:.2f} ms/token, "
+                    f"cache {row['cache_bytes'] / 2**30:.1f} GiB")
+            except torch.OutOfMemoryError as err:
+                row["error"] = f"out of memory: {str(err)[:160]}"
+            except Exception as err:   # recorded, the run goes on
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+                log(f"hf {name} T={context}: {row['error']}")
+            rows.append(row)
+            torch.cuda.empty_cache()
+    base = {r["context"]: r["seconds_per_token"] for r in rows
+            if r["variant"] == hf["baseline"] and "error" not in r}
+    for r in rows:
+        if "error" not in r and r["context"] in base:
+            r["speedup"] = base[r["context"]] / r["seconds_per_token"]
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"rows": rows, "checks": checks, "baseline": hf["baseline"]}
