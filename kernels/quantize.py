@@ -44,7 +44,8 @@ def _quantize_store(H, DATA, SCALE, ZERO, start,
         hi = tl.maximum(hi, tl.where(ok, x, -float("inf")))
     lo_all, hi_all = tl.min(lo, 0), tl.max(hi, 0)
     zeros = lo_all * 0.0
-    scale = tl.maximum(tl.maximum(_div(hi_all - lo_all, zeros + LEVELS), _div(tl.abs(lo_all), zeros + ZLIM)), MIN_S).to(tl.float16)
+    scale = tl.maximum(_div(hi_all - lo_all, zeros + LEVELS), _div(tl.abs(lo_all), zeros + ZLIM))
+    scale = tl.maximum(scale, MIN_S).to(tl.float16)
     sf = scale.to(tl.float32)
     zero = tl.floor(_div(-lo_all, sf) + 0.5).to(tl.float16)     # see quantize_latent
     zf = zero.to(tl.float32)

@@ -57,3 +57,9 @@ def test_kernel_check_runs_every_layer_through_the_kernels(bits):
     result = check(model, bits, context=48, batch=2)
     assert result["kernel_layers"] == shape.layers       # every layer took the kernel path
     assert 0 < result["rel_err"] < 2e-2                  # fp16 kernels vs the torch path
+
+
+def test_set_backend_names_a_bad_backend():
+    from palu.attention.install import set_backend
+    with pytest.raises(ValueError, match="'cuda' is not one of"):
+        set_backend(torch.nn.Linear(2, 2), "cuda")

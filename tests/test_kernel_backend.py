@@ -6,16 +6,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import palu
+from palu.attention.install import set_backend
 from palu.attention.palu_attention import PaluAttention
 from tiny import tiny_opt
 
 pytest.importorskip("triton")
-
-
-def _set_backend(model, backend):
-    for m in model.modules():
-        if isinstance(m, PaluAttention):
-            m.backend = backend
 
 
 def _decode_logits(model, ids, steps=3, gap=0):
@@ -48,9 +43,9 @@ def test_kernel_decode_matches_torch_decode(family, gap, monkeypatch):
     palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=kept, group_size=1,
                   multiple=16, progress=False)
     ids = torch.randint(0, 97, (2, 7))
-    _set_backend(model, "torch")
+    set_backend(model, "torch")
     ref = _decode_logits(model, ids, gap=gap)
-    _set_backend(model, "triton")
+    set_backend(model, "triton")
     from palu.attention import kernel_backend
     import kernels.palu_decode as kpd
     calls, paths = [], []
@@ -134,9 +129,9 @@ def test_rope_scaling_types_decode_like_the_torch_path(scaling, kernel, monkeypa
     palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=1, multiple=16,
                   progress=False)
     ids = torch.randint(0, 97, (2, 7))
-    _set_backend(model, "torch")
+    set_backend(model, "torch")
     ref = _decode_logits(model, ids)
-    _set_backend(model, "triton")
+    set_backend(model, "triton")
     from palu.attention import kernel_backend
     calls = []
     real = kernel_backend.kernel_decode
@@ -168,7 +163,7 @@ def test_quantised_latent_cache_degrades_in_order_and_holds_packed_bytes():
     model = _tiny_llama()
     palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=2, multiple=16,
                   progress=False)
-    _set_backend(model, "torch")
+    set_backend(model, "torch")
     ids = torch.randint(0, 97, (2, 9))
     ref, _ = _decode_with(model, ids, None)
     errs = {}
@@ -189,9 +184,9 @@ def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monk
     palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=kept, group_size=2,
                   multiple=16, progress=False)
     ids = torch.randint(0, 97, (2, 7))
-    _set_backend(model, "torch")
+    set_backend(model, "torch")
     ref, _ = _decode_with(model, ids, bits)
-    _set_backend(model, "triton")
+    set_backend(model, "triton")
     from palu.attention import kernel_backend
     calls = []
     real = kernel_backend.kernel_decode
@@ -211,7 +206,7 @@ def test_packed_cache_follows_beam_search_and_crop():
     model = _tiny_llama(2)
     palu.compress(model, torch.randint(0, 97, (2, 32)), kept_ratio=0.5, group_size=2, multiple=16,
                   progress=False)
-    _set_backend(model, "torch")
+    set_backend(model, "torch")
     ids = torch.randint(0, 97, (1, 6))
     cache = palu.LatentCache(model, bits=8)
     out = model.generate(ids, num_beams=2, max_new_tokens=3, do_sample=False, past_key_values=cache)
@@ -234,9 +229,9 @@ def test_head_dim_the_kernels_cannot_rotate_takes_the_torch_path(monkeypatch):
     palu.compress(base, torch.randint(0, 97, (2, 16)), kept_ratio=0.5, group_size=1, multiple=16,
                   progress=False)
     ids = torch.randint(0, 97, (1, 5))
-    _set_backend(base, "torch")
+    set_backend(base, "torch")
     ref = _decode_logits(base, ids, steps=2)
-    _set_backend(base, "triton")
+    set_backend(base, "triton")
     from palu.attention.kernel_backend import can_use_kernel
     attn = next(m for m in base.modules() if isinstance(m, PaluAttention))
     assert "head_dim 96" in can_use_kernel(attn, torch.zeros(1, 1, 384), None)

@@ -19,3 +19,15 @@ def install_palu(model, factors: list, group_size: int, fuse: bool = True):
         layer.self_attn = PaluAttention(attn, adapter, geom, lf, group_size, rotary=rotary, fuse=fuse)
     model.config.palu = {"group_size": group_size, "fuse": fuse}
     return model
+
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def set_backend(model, backend: str) -> None:
+    """Decode path of every PaluAttention in `model` (see attention/kernel_backend.py)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    for m in model.modules():
+        if isinstance(m, PaluAttention):
+            m.backend = backend

@@ -2,9 +2,9 @@
 
 `LlamaForCausalLM` at the benchmark's shape (random fp16 weights), dense with transformers'
 `StaticCache` (preallocated, written in place) or `DynamicCache` (`generate`'s default, which
-concatenates: every step copies the whole cache) vs the same model with Palu attention installed (`install_palu`, random factors
-of the configured ranks: decode time does not depend on the values) and `palu.LatentCache`
-(fp16 or packed latents). Each step is `model(input_ids=..., past_key_values=cache)` in eager
+concatenates: every step copies the whole cache) vs the same model with Palu attention
+installed (`install_palu`, random factors of the configured ranks: decode time does not depend
+on the values) and `palu.LatentCache` (fp16 or packed latents). Each step is `model(input_ids=..., past_key_values=cache)` in eager
 mode, as `generate` runs it: Python, per-layer launches and the cache's append included, no CUDA
 graph. The graph-replayed decoder (`bench.decoder`) is the kernels' best case; this is what the
 HF integration delivers, and the difference is overhead a serving stack would remove.
@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..attention.install import install_palu, set_backend
 from ..cache.latent_cache import LatentCache
 from ..decompose.factors import LayerFactors
 from .decoder import DecoderShape, PaluSpec
@@ -131,13 +132,6 @@ def time_steps(model, cache, batch: int, steps: int, warmup: int = 3) -> list[fl
     return times
 
 
-def set_backend(model, backend: str) -> None:
-    from ..attention.palu_attention import PaluAttention
-    for m in model.modules():
-        if isinstance(m, PaluAttention):
-            m.backend = backend
-
-
 @torch.no_grad()
 def check(model, bits: int | None, context: int, batch: int) -> dict:
     """One decode step through the kernels and through the torch path, same cache contents."""
@@ -218,7 +212,6 @@ def run_hf(cfg: dict, log=print) -> dict:
                 del model
                 gc.collect()
                 model = hf_llama(shape, "cuda")
-            from ..attention.install import install_palu
             install_palu(model, random_factors(shape, spec, "cuda"), spec.group_size)
             installed = (spec.group_size, spec.rank_k, spec.rank_v)
             weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -127,7 +127,8 @@ class LatentLayer(DynamicLayer):
         self.values = self._append("values", self.values, value_states, value_states.dim() - 2)
         return self.keys, self.values
 
-    def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True, memo: dict | None = None):
+    def update_latent(self, hk, hv, positions, ranks=None, dequantize: bool = True,
+                      memo: dict | None = None):
         """Append latents (B, T, R) and positions (B, T); return everything stored so far.
 
         Packed mode: `ranks` = (per-group key ranks, value ranks), default one group each; the
