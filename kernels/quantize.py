@@ -27,7 +27,9 @@ def _div(a, b):
 def _quantize_store(H, DATA, SCALE, ZERO, start,
                     s_hb, s_hg, s_ht, s_db, s_dg, s_dt, s_sb, s_sg, s_st,
                     R: tl.constexpr, RP_P2: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    MIN_S: tl.constexpr, ZLIM: tl.constexpr):
+                    MIN_S: tl.constexpr, ZLIM: tl.constexpr, START_IN_MEMORY: tl.constexpr):
+    if START_IN_MEMORY:   # a device tensor: a captured CUDA graph replays with each step's slot
+        start = tl.load(start).to(tl.int32)
     t, pid = tl.program_id(0), tl.program_id(1)   # tokens on axis 0: up to 2^31 - 1 (axis 1: 65535)
     b, g = pid // G, pid % G
     PER: tl.constexpr = 8 // BITS
@@ -70,9 +72,20 @@ def quantize_grid(B: int, G: int, n: int) -> tuple[int, int]:
     return (n, B * G)
 
 
-def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int) -> None:
-    """Quantise latents h [B, G, n, R] and write them to tokens start .. start+n-1 of dst."""
+def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int | torch.Tensor) -> None:
+    """Quantise latents h [B, G, n, R] and write them to tokens start .. start+n-1 of dst.
+
+    `start`: a Python int, or a one-element integer tensor on dst's device, read by the kernel
+    (no host sync; a CUDA graph captured with it writes wherever the tensor points at replay).
+    Only an int start is checked against the cache's length."""
     B, G, n, R = h.shape
+    in_memory = isinstance(start, torch.Tensor)
+    if in_memory:
+        if start.numel() != 1 or start.dtype.is_floating_point or start.device != dst.data.device:
+            raise ValueError(f"start tensor must be one integer on {dst.data.device}; got "
+                             f"{start.dtype} {tuple(start.shape)} on {start.device}")
+    elif start < 0 or start + n > dst.data.shape[2]:
+        raise ValueError(f"tokens {start}..{start + n - 1} do not fit a cache of {dst.data.shape[2]}")
     if R != dst.rank or dst.data.shape[:2] != (B, G):
         raise ValueError(f"latents {tuple(h.shape)} do not match the cache "
                          f"({tuple(dst.data.shape[:2])} x rank {dst.rank})")
@@ -85,4 +98,4 @@ def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int) -> None:
         dst.data.stride(0), dst.data.stride(1), dst.data.stride(2),
         dst.scale.stride(0), dst.scale.stride(1), dst.scale.stride(2),
         R=R, RP_P2=triton.next_power_of_2(rp), BITS=dst.bits, G=G, MIN_S=MIN_SCALE,
-        ZLIM=ZERO_LIMIT, num_warps=1)
+        ZLIM=ZERO_LIMIT, START_IN_MEMORY=in_memory, num_warps=1)

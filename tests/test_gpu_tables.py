@@ -47,8 +47,17 @@ def test_decode_table_has_the_transformers_section_when_the_run_has_one():
     md = hf_markdown({"rows": rows, "checks": [{"variant": "hf-palu50-g4-int4", "bits": 4, "context": 512,
                                                 "rel_err": 8e-3, "kernel_layers": 32}],
                       "baseline": "hf-fp16-static"})
-    assert "Speed-up over hf-fp16-static" in md and re.search(r"\| hf-palu50-g4-int4 +\| +60\.00 +\|", md)
+    assert "(eager, no CUDA graph)" in md and re.search(r"\| hf-palu50-g4-int4 +\| +60\.00 +\|", md)
+    assert re.search(r"\| hf-palu50-g4-int4 \(vs hf-fp16-static\) +\| +0\.80 +\|", md)
     assert "out of memory" in md and "8.00e-03" in md
+    # graph rows name their own baseline
+    rows += [{"variant": v, "context": 4096, "seconds_per_token": ms / 1e3, "seconds_min": ms / 1e3,
+              "cache_bytes": 2 ** 30, "speedup": sp, "graph": True, "baseline": "hf-fp16-static-graph"}
+             for v, ms, sp in (("hf-fp16-static-graph", 6.0, 1.0), ("hf-palu50-g4-int4-graph", 8.0, 0.75))]
+    md = hf_markdown({"rows": rows, "checks": [], "baseline": "hf-fp16-static"})
+    assert "replayed as CUDA graphs" in md and "palu.GraphDecoder" in md
+    assert re.search(r"\| hf-palu50-g4-int4-graph \(vs hf-fp16-static-graph\) +\| +0\.75 +\|", md)
+    assert re.search(r"\| hf-palu50-g4-int4 \(vs hf-fp16-static\) +\| +0\.80 +\|", md)   # older rows kept
 
 
 @pytest.mark.parametrize("change, message", [

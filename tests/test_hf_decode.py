@@ -35,6 +35,38 @@ def test_plan_names_bad_values():
                                                                          "kept_v": 0.5}}]))
 
 
+def test_plan_checks_graph_rows_and_their_baselines():
+    graph_rows = [{"name": "dense", "cache": "static"},
+                  {"name": "dense-graph", "cache": "static", "graph": True, "baseline": "dense-graph"},
+                  {"name": "palu-graph", "graph": True, "baseline": "dense-graph",
+                   "palu": {"group_size": 2, "kept_k": 0.5, "kept_v": 0.5, "bits": 4}}]
+    hf_plan(_cfg(variants=graph_rows))
+    with pytest.raises(ValueError, match="'palu-graph': baseline 'nope' is not one of the variants"):
+        hf_plan(_cfg(variants=graph_rows[:2] + [{**graph_rows[2], "baseline": "nope"}]))
+    with pytest.raises(ValueError, match="a CUDA graph needs the static dense cache, not 'dynamic'"):
+        hf_plan(_cfg(variants=[{"name": "dense", "cache": "dynamic", "graph": True}]))
+    with pytest.raises(ValueError, match="graph='yes' must be true or false"):
+        hf_plan(_cfg(variants=[{"name": "dense", "graph": "yes"}]))
+
+
+def test_filled_graph_cache_and_latent_cache_give_the_same_step():
+    from palu.attention.install import set_backend
+    shape = DecoderShape(**SHAPE)
+    model = hf_llama(shape, "cpu").float()
+    spec = PaluSpec(2, 32, 32, 4)
+    install_palu(model, random_factors(shape, spec, "cpu"), spec.group_size)
+    set_backend(model, "torch")
+    logits = []
+    for graph in (False, True):
+        cache = new_cache(model, 4, palu=True, max_tokens=40, graph=graph, batch=2)
+        fill_cache(model, cache, 37, batch=2)
+        assert cache.get_seq_length() == 37
+        with torch.no_grad():
+            logits.append(model(input_ids=torch.tensor([[3], [5]]), past_key_values=cache,
+                                use_cache=True).logits)
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+
+
 @torch.no_grad()
 def test_static_and_dynamic_caches_hold_the_same_filled_tokens():
     model = hf_llama(DecoderShape(**SHAPE), "cpu")

@@ -5,6 +5,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kernels.layout import QuantLatent
+
 import palu
 from palu.attention.install import set_backend
 from palu.attention.palu_attention import PaluAttention
@@ -50,7 +52,7 @@ def test_kernel_decode_matches_torch_decode(family, gap, monkeypatch):
     import kernels.palu_decode as kpd
     calls, paths = [], []
     real, real_kernel = kernel_backend.kernel_decode, kpd.palu_decode
-    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(kpd, "palu_decode", lambda *a, **k: paths.append(
         "positions" if "positions" in k else "offset") or real_kernel(*a, **k))
     out = _decode_logits(model, ids, gap=gap)
@@ -135,7 +137,7 @@ def test_rope_scaling_types_decode_like_the_torch_path(scaling, kernel, monkeypa
     from palu.attention import kernel_backend
     calls = []
     real = kernel_backend.kernel_decode
-    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     out = _decode_logits(model, ids)
     assert len(calls) == (3 * 2 if kernel else 0)
     assert ((out - ref).norm() / ref.norm()).item() < 5e-3
@@ -191,7 +193,7 @@ def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monk
     calls = []
     real = kernel_backend.kernel_decode
     monkeypatch.setattr(kernel_backend, "kernel_decode",
-                        lambda *a: calls.append(a[-1] is not None) or real(*a))
+                        lambda *a, **k: calls.append(isinstance(a[3], QuantLatent)) or real(*a, **k))
     out, _ = _decode_with(model, ids, bits)
     assert calls == [True] * (3 * 2)   # every decode step read the packed cache
     assert ((out - ref).norm() / ref.norm()).item() < 5e-3

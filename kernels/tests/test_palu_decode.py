@@ -320,6 +320,30 @@ def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
     assert torch.isfinite(dequantize_latent(ref)).all()
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_quantise_store_reads_its_start_slot_from_a_tensor(bits):
+    # A captured CUDA graph replays with the slot held in device memory, not a Python int.
+    from kernels.layout import QuantLatent
+    from kernels.quantize import quantize_into
+    h = torch.randn(1, 2, 1, 64).half().to(DEV)
+    per = 8 // bits
+
+    def empty():
+        return QuantLatent(torch.zeros(1, 2, 6, 64 // per, dtype=torch.uint8, device=DEV),
+                           torch.zeros(1, 2, 6, dtype=torch.float16, device=DEV),
+                           torch.zeros(1, 2, 6, dtype=torch.float16, device=DEV), bits, 64)
+    by_int, by_tensor = empty(), empty()
+    quantize_into(h, by_int, start=4)
+    quantize_into(h, by_tensor, start=torch.tensor([4], device=DEV))
+    for a, b in ((by_int.data, by_tensor.data), (by_int.scale, by_tensor.scale), (by_int.zero, by_tensor.zero)):
+        assert torch.equal(a, b)
+    assert by_tensor.scale[:, :, 4].ne(0).all() and by_tensor.scale[:, :, :4].eq(0).all()
+    with pytest.raises(ValueError, match="do not fit a cache of 6"):
+        quantize_into(h, empty(), start=6)
+    with pytest.raises(ValueError, match="start tensor must be one integer"):
+        quantize_into(h, empty(), start=torch.tensor([1.0, 2.0], device=DEV))
+
+
 def test_quantise_store_puts_tokens_on_the_long_grid_axis():
     # A 64K-token prefill on the grid's second axis (at most 65535 programs) failed on the GPU
     # with "invalid argument"; the first axis takes 2^31 - 1.

@@ -4,6 +4,7 @@ Importing palu changes nothing in transformers; `compress` / `load_compressed` i
 attention into the model you pass.
 """
 from .attention.install import install_palu
+from .cache.graph_cache import GraphLatentCache
 from .cache.latent_cache import LatentCache
 from .compress import CompressionResult, calibration_data, compress
 from .data.corpora import load_corpus
@@ -11,10 +12,11 @@ from .decompose.checkpoint import load_compressed
 from .decompose.ranks import allocate
 from .eval.perplexity import perplexity
 from .eval.runner import evaluate_corpus
+from .generation import GraphDecoder
 from .models.adapters import geometry_of
 from .models.loading import load_model
 
-__all__ = ["CompressionResult", "LatentCache", "allocate", "calibration_data", "compress",
-           "evaluate_corpus", "geometry_of", "install_palu", "load_compressed", "load_corpus",
+__all__ = ["CompressionResult", "GraphDecoder", "GraphLatentCache", "LatentCache", "allocate",
+           "calibration_data", "compress", "evaluate_corpus", "geometry_of", "install_palu", "load_compressed", "load_corpus",
            "load_model", "perplexity"]
 __version__ = "0.1.0"

@@ -43,48 +43,48 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
     return None
 
 
-def kernel_decode(attn, x, q, hk_all, hv_all, kpos, contiguous: bool | None = None, packed=None):
+def kernel_decode(attn, x, q, hk, hv, *, kpos=None, contiguous: bool | None = None, lengths=None,
+                  position_offset=None):
     """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden).
 
-    `contiguous`: whether every row's cache positions run p0, p0 + 1, ... (LatentCache tracks
-    it as tokens arrive); None checks the positions here (O(T), one host sync). `packed`: the
-    quantised cache's (keys, values) as kernel-layout QuantLatents, read instead of the latents
-    (hk_all / hv_all are then None).
+    `hk`, `hv`: the cached latents in the kernels' layout ([B, G, T, r], or packed QuantLatents).
+    RoPE positions: `position_offset` [B] (token t of row b at position_offset[b] + t), or
+    `kpos` (B or 1, T) with `contiguous` saying whether every row runs p0, p0 + 1, ...
+    (LatentCache tracks it as tokens arrive; None checks here, O(T) and one host sync).
+    `lengths` [B]: tokens to read per row (default all T); a device tensor is not read on the host.
     """
-    from kernels.layout import as_groups
     from kernels.palu_decode import palu_decode
     B = x.shape[0]
-    G, s = attn.n_groups, attn.group_size
-    if packed is not None:
-        hk, hv = packed
-    else:
-        hk = as_groups(hk_all.unsqueeze(1), G).half()
-        hv = as_groups(hv_all.unsqueeze(1), G).half()
-    kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=s)
+    hk, hv = _kernel_dtype(hk), _kernel_dtype(hv)
+    kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=attn.group_size, lengths=lengths)
     if attn.geom.rope:
-        bk = _stacked_bk(attn)
         if attn.k_bias is not None:
             return None  # a key bias is not folded into the kernel's rebuild
-        pos = kpos.expand(B, -1)
-        if contiguous is None:
-            steps = torch.arange(pos.shape[1], device=pos.device, dtype=pos.dtype)
-            contiguous = torch.equal(pos, pos[:, :1] + steps)
-        if contiguous:   # the usual cache: the kernels' fast RoPE path
-            where = dict(position_offset=pos[:, 0])
+        bk = _stacked_bk(attn)
+        if position_offset is not None:
+            where = dict(position_offset=position_offset)
         else:
-            where = dict(positions=pos)
-        z = palu_decode(q[:, :, 0].half(), hk, hv, bk=bk, inv_freq=attn._rotary[0].inv_freq,
+            pos = kpos.expand(B, -1)
+            if contiguous is None:
+                steps = torch.arange(pos.shape[1], device=pos.device, dtype=pos.dtype)
+                contiguous = torch.equal(pos, pos[:, :1] + steps)
+            # the usual cache: the kernels' fast RoPE path
+            where = dict(position_offset=pos[:, 0]) if contiguous else dict(positions=pos)
+        z = palu_decode(_kernel_dtype(q[:, :, 0]), hk, hv, bk=bk, inv_freq=attn._rotary[0].inv_freq,
                         **where, **kw)
     else:
-        qf = torch.cat([attn._fused_query(x, g) for g in range(G)], 1)     # (B, H, 1, r)
-        z = palu_decode(qf[:, :, 0].half(), hk, hv, **kw)
-    z = z.to(x.dtype)                                                      # (B, H, r_v)
-    per_group = s * attn.geom.n_rep
-    out = attn.o_bias_fused.expand(B, -1)
-    for g in range(G):
-        zg = z[:, g * per_group:(g + 1) * per_group].reshape(B, -1)
-        out = torch.addmm(out, zg, getattr(attn, f"Wo_fused{g}").T)
-    return out[:, None]
+        qf = attn._fused_queries(x)                                        # (B, H, 1, r)
+        z = palu_decode(_kernel_dtype(qf[:, :, 0]), hk, hv, **kw)
+    z = z.to(x.dtype).reshape(B, -1)            # (B, H * r_v): heads in Wo_fused's column order
+    return torch.addmm(attn.o_bias_fused.expand(B, -1), z, attn.Wo_fused.T)[:, None]
+
+
+def _kernel_dtype(t):
+    """fp16 and bf16 go to the kernels as they are (bf16 is converted on-chip); anything else
+    (fp32 models in interpreter tests) as fp16. Packed latents are bytes already."""
+    if not isinstance(t, torch.Tensor) or t.dtype in (torch.float16, torch.bfloat16):
+        return t
+    return t.half()
 
 
 def _stacked_bk(attn) -> torch.Tensor:

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.layout import as_groups
+
+from ..cache.graph_cache import GraphLatentCache
 from ..cache.latent_cache import LatentCache
 from ..models.adapters import FamilyAdapter, Geometry
 from .rope import apply_rope
@@ -77,14 +80,19 @@ class PaluAttention(nn.Module):
         Wo = o.weight.double()
         bias = o.bias.double() if o.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64,
                                                                          device=Wo.device)
+        groups = []
         for g in range(self.n_groups):
             blocks = [Wo[:, i * hd:(i + 1) * hd] @ B_v[g][self._local_kv(i, g)].to(Wo)
                       for i in self._query_heads(g)]
-            self.register_buffer(f"Wo_fused{g}", torch.cat(blocks, 1).to(**cast))  # (hidden, heads*r)
+            groups.append(torch.cat(blocks, 1))                           # (hidden, heads * r_g)
             if v_bias is not None:  # Σ_t p_t = 1, so the value bias passes through attention as is
                 for i in self._query_heads(g):
                     kv = i // self.geom.n_rep
                     bias = bias + Wo[:, i * hd:(i + 1) * hd] @ v_bias.double()[kv * hd:(kv + 1) * hd]
+        # all groups side by side, (hidden, Σ_g heads_g * r_g): the decode kernels' latent outputs
+        # (B, H, r) are in this order, so one matmul maps them (one per group cost 32 launches
+        # per layer at M-LRD); `_wo(g)` is group g's column block
+        self.register_buffer("Wo_fused", torch.cat(groups, 1).to(**cast))
         self.register_buffer("o_bias_fused", bias.to(**cast))
 
     def _fuse_keys(self, q: nn.Linear, B_k, cast) -> None:
@@ -92,13 +100,20 @@ class PaluAttention(nn.Module):
         hd = self.geom.head_dim
         Wq = q.weight.double()
         bq = q.bias.double() if q.bias is not None else None
+        weights, biases = [], []
         for g in range(self.n_groups):
             Bt = [B_k[g][self._local_kv(i, g)].to(Wq).T for i in self._query_heads(g)]  # (r, hd)
-            W = torch.cat([b @ Wq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))])
-            self.register_buffer(f"Wq_fused{g}", W.to(**cast))
-            bias = None if bq is None else torch.cat(
-                [b @ bq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))])
-            self.register_buffer(f"bq_fused{g}", None if bias is None else bias.to(**cast))
+            weights.append(torch.cat([b @ Wq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))]))
+            if bq is not None:
+                biases.append(torch.cat([b @ bq[i * hd:(i + 1) * hd] for b, i in zip(Bt, self._query_heads(g))]))
+        # all groups stacked, (Σ_g heads_g * r_g, hidden): one projection gives every head's query
+        self.register_buffer("Wq_fused", torch.cat(weights).to(**cast))
+        self.register_buffer("bq_fused", torch.cat(biases).to(**cast) if biases else None)
+
+    def _wo(self, g: int) -> torch.Tensor:
+        """Group g's block of the fused output projection, (hidden, heads_g * r_g) (a view)."""
+        start = sum(len(self._query_heads(h)) * self.ranks_v[h] for h in range(g))
+        return self.Wo_fused[:, start:start + len(self._query_heads(g)) * self.ranks_v[g]]
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -106,12 +121,6 @@ class PaluAttention(nn.Module):
         B, T, _ = hidden_states.shape
         x = hidden_states
         hk, hv = F.linear(x, self.A_k), F.linear(x, self.A_v)          # (B, T, R)
-        # A packed (quantised) cache returns no latents: the kernels read it packed, and the torch
-        # path below dequantises it only if it runs.
-        hk_all, hv_all, kpos = self._cache(hk, hv, past_key_values, position_ids, T, x.device)
-        layer = past_key_values.layers[self.layer_idx] if isinstance(past_key_values, LatentCache) else None
-        S = kpos.shape[-1]
-        mask = self._mask(attention_mask, T, S, x.device)
         q = None
         if self.geom.rope or not self.fuse:
             q = self.q_proj(x).view(B, T, self.geom.num_heads, -1).transpose(1, 2)  # (B, nh, T, hd)
@@ -120,17 +129,11 @@ class PaluAttention(nn.Module):
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
-        if self.fuse and self.backend != "torch" and past_key_values is not None:
-            from .kernel_backend import can_use_kernel, kernel_decode
-            bits = layer.bits if layer is not None else None
-            if can_use_kernel(self, x, mask, bits) is None:
-                packed = layer.packed_groups(self.n_groups) if bits else None
-                out = kernel_decode(self, x, q, hk_all, hv_all, kpos,
-                                    layer.contiguous if layer is not None else None, packed)
-                if out is not None:
-                    return out, None
-        if hk_all is None:
-            hk_all, hv_all = layer.latents(x.dtype)
+        step = self._graph_cache_step if isinstance(past_key_values, GraphLatentCache) else self._cache_step
+        out, hk_all, hv_all, kpos, mask = step(x, q, hk, hv, past_key_values, position_ids, attention_mask)
+        if out is not None:   # the kernels served this step
+            return out, None
+        S = kpos.shape[-1]
         if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
             kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         outs, heads = [], []
@@ -153,13 +156,66 @@ class PaluAttention(nn.Module):
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
             z = _sdpa(qg, kg, vg, mask, self._sdpa_scale(), causal=mask is None and T > 1)
             if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
-                outs.append(z.transpose(1, 2).reshape(B, T, -1) @ getattr(self, f"Wo_fused{g}").T)
+                outs.append(z.transpose(1, 2).reshape(B, T, -1) @ self._wo(g).T)
             else:
                 heads.append(z)
         if self.fuse:
             return torch.stack(outs).sum(0) + self.o_bias_fused, None
         attn = torch.cat(heads, 1).transpose(1, 2).reshape(B, T, -1)                 # (B, T, nh*hd)
         return self.o_proj(attn), None
+
+    def _kernels_may_run(self) -> bool:
+        return self.fuse and self.backend != "torch"
+
+    def _cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
+        """Store this step's latents in `cache` (LatentCache, another Cache, or None) and, for a
+        one-token step the kernels can serve, attend through them. Returns (output or None, and
+        for the torch path: all latents, their positions, the mask)."""
+        T = x.shape[1]
+        # A packed (quantised) LatentCache returns no latents: the kernels read it packed, and
+        # the torch path dequantises it only if it runs.
+        hk_all, hv_all, kpos = self._cache(hk, hv, cache, position_ids, T, x.device)
+        layer = cache.layers[self.layer_idx] if isinstance(cache, LatentCache) else None
+        mask = self._mask(attention_mask, T, kpos.shape[-1], x.device)
+        if self._kernels_may_run() and cache is not None:
+            from .kernel_backend import can_use_kernel, kernel_decode
+            bits = layer.bits if layer is not None else None
+            if can_use_kernel(self, x, mask, bits) is None:
+                if bits:
+                    keys, values = layer.packed_groups(self.n_groups)
+                else:
+                    keys, values = (as_groups(h.unsqueeze(1), self.n_groups) for h in (hk_all, hv_all))
+                out = kernel_decode(self, x, q, keys, values, kpos=kpos,
+                                    contiguous=layer.contiguous if layer is not None else None)
+                if out is not None:
+                    return out, None, None, None, None
+        if hk_all is None:
+            hk_all, hv_all = layer.latents(x.dtype)
+        return None, hk_all, hv_all, kpos, mask
+
+    def _graph_cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
+        """As `_cache_step` for a GraphLatentCache: nothing here reads a device value on the host,
+        so a captured CUDA graph replays it. A one-token step reads `S` slots masked by the
+        cache's device-side lengths (the kernels, or the torch path with a length mask)."""
+        B, T, _ = x.shape
+        if position_ids is None:
+            position_ids = torch.arange(cache.seen, cache.seen + T, device=x.device)[None]
+        S = cache.update_latent(hk, hv, position_ids, self.layer_idx)
+        if T == 1 and self._kernels_may_run():
+            from .kernel_backend import can_use_kernel, kernel_decode
+            if can_use_kernel(self, x, None, cache.bits) is None:
+                keys, values = cache.kernel_latents(self.layer_idx, S)
+                out = kernel_decode(self, x, q, keys, values, lengths=cache.lengths,
+                                    position_offset=cache.offsets)
+                if out is not None:
+                    return out, None, None, None, None
+        hk_all, hv_all = cache.latents(self.layer_idx, S, x.dtype)
+        kpos = torch.arange(S, device=x.device)[None]
+        if T == 1:   # slots past the row's length hold stale or no tokens
+            mask = (kpos < cache.lengths[:, None].to(kpos.dtype))[:, None, None, :]
+        else:
+            mask = self._mask(attention_mask, T, S, x.device)
+        return None, hk_all, hv_all, kpos, mask
 
     def _sdpa_scale(self) -> float:
         return 1.0 if self.query_scaled else self.scaling
@@ -174,11 +230,23 @@ class PaluAttention(nn.Module):
         return y.view(Bsz, S, self.group_size, self.geom.head_dim).transpose(1, 2)
 
     def _fused_query(self, x, g):
+        """Group g's fused queries (B_kᵀ q per head), (B, heads_g, T, r_g)."""
         B, T, _ = x.shape
-        q = F.linear(x, getattr(self, f"Wq_fused{g}"), getattr(self, f"bq_fused{g}"))
+        start = sum(len(self._query_heads(h)) * self.ranks_k[h] for h in range(g))
+        rows = slice(start, start + len(self._query_heads(g)) * self.ranks_k[g])
+        bias = None if self.bq_fused is None else self.bq_fused[rows]
+        q = F.linear(x, self.Wq_fused[rows], bias)
         if self.query_scaled:
             q = q * self.scaling
         return q.view(B, T, len(self._query_heads(g)), -1).transpose(1, 2)
+
+    def _fused_queries(self, x):
+        """Every head's fused query in one projection, (B, H, T, r); one key rank for all groups."""
+        B, T, _ = x.shape
+        q = F.linear(x, self.Wq_fused, self.bq_fused)
+        if self.query_scaled:
+            q = q * self.scaling
+        return q.view(B, T, self.geom.num_heads, -1).transpose(1, 2)
 
     def _cache(self, hk, hv, cache, position_ids, T, device):
         if position_ids is None:

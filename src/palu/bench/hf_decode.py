@@ -5,9 +5,12 @@
 concatenates: every step copies the whole cache) vs the same model with Palu attention
 installed (`install_palu`, random factors of the configured ranks: decode time does not depend
 on the values) and `palu.LatentCache` (fp16 or packed latents). Each step is `model(input_ids=..., past_key_values=cache)` in eager
-mode, as `generate` runs it: Python, per-layer launches and the cache's append included, no CUDA
-graph. The graph-replayed decoder (`bench.decoder`) is the kernels' best case; this is what the
-HF integration delivers, and the difference is overhead a serving stack would remove.
+mode, as `generate` runs it: Python, per-layer launches and the cache's append included.
+Variants with `graph: true` replay each step as a CUDA graph instead: Palu through
+`palu.GraphLatentCache` and `palu.GraphDecoder` (what a user of the library runs for speed), dense
+through transformers' `StaticCache` captured the same way (its device-side length counter and
+mask make its step capturable). The graph-replayed decoder (`bench.decoder`) is the kernels'
+best case with a hand-written model; these are the same kernels inside transformers' model.
 
 Before timing, `check` runs one step through the kernels and through the torch reference path on
 two copies of the same cache and reports the logits' relative error (and that the kernels ran).
@@ -20,8 +23,10 @@ from contextlib import contextmanager
 import torch
 
 from ..attention.install import install_palu, set_backend
+from ..cache.graph_cache import GraphLatentCache
 from ..cache.latent_cache import LatentCache
 from ..decompose.factors import LayerFactors
+from ..generation import CapturedStep, GraphDecoder
 from .decoder import DecoderShape, PaluSpec
 
 
@@ -75,12 +80,13 @@ def random_factors(shape: DecoderShape, spec: PaluSpec, device, seed: int = 0) -
 CACHES = ("static", "dynamic")
 
 
-def new_cache(model, bits: int | None, palu: bool, kind: str = "static", max_tokens: int = 0):
-    """LatentCache for a Palu model; else transformers' StaticCache (room for `max_tokens`) or
-    DynamicCache."""
+def new_cache(model, bits: int | None, palu: bool, kind: str = "static", max_tokens: int = 0,
+              graph: bool = False, batch: int = 1):
+    """LatentCache for a Palu model (GraphLatentCache of `max_tokens` slots with `graph`); else
+    transformers' StaticCache (room for `max_tokens`) or DynamicCache."""
     from transformers import DynamicCache, StaticCache
     if palu:
-        return LatentCache(model, bits=bits)
+        return GraphLatentCache(model, max_tokens, batch, bits) if graph else LatentCache(model, bits=bits)
     if kind not in CACHES:
         raise ValueError(f"dense cache {kind!r} is not one of {CACHES}")
     return (StaticCache(config=model.config, max_cache_len=max_tokens) if kind == "static"
@@ -100,28 +106,54 @@ def fill_cache(model, cache, context: int, batch: int, seed: int = 0) -> None:
         if isinstance(attn, PaluAttention):
             hk, hv = (torch.randn(batch, context, sum(r), generator=gen, device=model.device,
                                   dtype=torch.float16) for r in (attn.ranks_k, attn.ranks_v))
-            cache.update_latent(hk, hv, positions, i, ranks=(attn.ranks_k, attn.ranks_v), dequantize=False)
+            if isinstance(cache, GraphLatentCache):
+                cache.update_latent(hk, hv, positions, i)
+            else:
+                cache.update_latent(hk, hv, positions, i, ranks=(attn.ranks_k, attn.ranks_v), dequantize=False)
         else:
             k, v = (torch.randn(batch, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen,
                                 device=model.device, dtype=torch.float16) for _ in range(2))
             cache.update(k, v, i)
 
 
+def _step_function(model, cache, batch: int, context: int, graph: bool):
+    """f(tokens (B, 1)) -> logits (B, vocab) of the next step: eager `model(...)`, or with
+    `graph` a replayed CUDA graph (GraphDecoder for Palu; a captured StaticCache step for dense,
+    whose device-side counter advances the position at every replay, warm-up calls included)."""
+    if not graph:
+        def eager(tokens):
+            return model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        return eager
+    if isinstance(cache, GraphLatentCache):
+        decoder, position = GraphDecoder(model, cache), iter(range(context, cache.max_tokens))
+        return lambda tokens: decoder.step(tokens[:, 0], next(position))
+    ids = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
+    step = CapturedStep(lambda: model(input_ids=ids, past_key_values=cache, use_cache=True,
+                                      logits_to_keep=1).logits[:, -1])
+
+    def replay(tokens):
+        ids.copy_(tokens)
+        return step()
+    return replay
+
+
 @torch.no_grad()
-def time_steps(model, cache, batch: int, steps: int, warmup: int = 3) -> list[float]:
-    """Seconds of each of `steps` greedy decode steps (after `warmup` untimed ones). Python's
-    cyclic garbage collector is off while timing: its pauses (measured on the H200 host: median
-    92 -> 67 ms/token for one configuration) are noise, not a property of either cache."""
+def time_steps(model, cache, batch: int, steps: int, warmup: int = 3, context: int = 0,
+               graph: bool = False) -> list[float]:
+    """Seconds of each of `steps` greedy decode steps (after `warmup` untimed ones) with
+    `context` tokens cached. Python's cyclic garbage collector is off while timing: its pauses
+    (measured on the H200 host: median 92 -> 67 ms/token for one configuration) are noise, not a
+    property of either cache."""
     tokens = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     collecting = gc.isenabled()
     gc.disable()
     try:
+        step = _step_function(model, cache, batch, context, graph)
         for i in range(warmup + steps):
             start.record()
-            logits = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-            tokens = logits[:, -1:].argmax(-1)
+            tokens = step(tokens).argmax(-1, keepdim=True)
             end.record()
             end.synchronize()
             if i >= warmup:
@@ -133,44 +165,56 @@ def time_steps(model, cache, batch: int, steps: int, warmup: int = 3) -> list[fl
 
 
 @torch.no_grad()
-def check(model, bits: int | None, context: int, batch: int) -> dict:
-    """One decode step through the kernels and through the torch path, same cache contents."""
+def check(model, bits: int | None, context: int, batch: int, graph: bool = False) -> dict:
+    """One decode step through the kernels and through the torch path, same cache contents.
+    With `graph` the kernels' step is a captured CUDA graph over a GraphLatentCache (reading a
+    bucket of slots masked by length), the torch path an eager step over the same cache kind."""
     from ..attention import kernel_backend
     calls, real = [], kernel_backend.kernel_decode
 
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
+    def counted(attn, *args, **kwargs):
+        calls.append(attn.layer_idx)
+        return real(attn, *args, **kwargs)
     tokens = torch.arange(batch, device=model.device)[:, None]
     logits = {}
     kernel_backend.kernel_decode = counted
     try:
         for backend in ("triton", "torch"):   # on a GPU "triton" = "auto" for fp16 models
             set_backend(model, backend)
-            cache = new_cache(model, bits, palu=True)
+            cache = new_cache(model, bits, palu=True, max_tokens=context + 8, graph=graph, batch=batch)
             fill_cache(model, cache, context, batch, seed=1)
-            logits[backend] = model(input_ids=tokens, past_key_values=cache, use_cache=True,
-                                    logits_to_keep=1).logits.float()
+            if graph and backend == "triton":
+                out = GraphDecoder(model, cache).step(tokens[:, 0], context)
+            else:
+                out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits[backend] = out.float()
     finally:
         kernel_backend.kernel_decode = real
         set_backend(model, "auto")
     ref = logits["torch"]
     err = ((logits["triton"] - ref).norm() / ref.norm()).item()
-    return {"bits": bits or 16, "context": context, "rel_err": err, "kernel_layers": len(calls)}
+    return {"bits": bits or 16, "context": context, "graph": graph, "rel_err": err,
+            "kernel_layers": len(set(calls))}
 
 
-def _measure(model, bits, palu: bool, kind: str, context: int, batch: int, steps: int) -> dict:
+def _measure(model, bits, palu: bool, kind: str, context: int, batch: int, steps: int,
+             graph: bool = False) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     warmup = 3
-    cache = new_cache(model, bits, palu, kind, context + warmup + steps)
+    # dense graph steps: two more warm-up calls advance StaticCache's counter (CapturedStep)
+    cache = new_cache(model, bits, palu, kind, context + warmup + steps + 2, graph, batch)
     fill_cache(model, cache, context, batch)
-    times = sorted(time_steps(model, cache, batch, steps, warmup))
-    held = (cache.nbytes()["reserved"] if palu else
-            sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values)))
+    times = sorted(time_steps(model, cache, batch, steps, warmup, context, graph))
+    if isinstance(cache, GraphLatentCache):
+        held = cache.nbytes()
+    elif palu:
+        held = cache.nbytes()["reserved"]
+    else:
+        held = sum(t.numel() * t.element_size() for lay in cache.layers for t in (lay.keys, lay.values))
     peak = torch.cuda.max_memory_allocated() - resident
     del cache
     return {"seconds_per_token": times[len(times) // 2], "seconds_min": times[0],
@@ -180,7 +224,8 @@ def _measure(model, bits, palu: bool, kind: str, context: int, batch: int, steps
 def hf_plan(cfg: dict) -> tuple[DecoderShape, dict, dict]:
     """Validated (shape, {variant: PaluSpec or None}, {variant: dense cache kind}) of the decode
     config's `hf` block: {contexts, steps, baseline, variants: [{name, cache: static | dynamic}
-    (dense) or {name, palu: {group_size, kept_k, kept_v, bits}}]}."""
+    (dense) or {name, palu: {group_size, kept_k, kept_v, bits}}, optionally `graph: true` and
+    `baseline` (the variant its speed-up is over; default hf.baseline)]}."""
     hf = cfg["hf"]
     shape = DecoderShape(**cfg["shape"], rope=True)
     names = [v["name"] for v in hf["variants"]]
@@ -193,8 +238,16 @@ def hf_plan(cfg: dict) -> tuple[DecoderShape, dict, dict]:
     for name, kind in kinds.items():
         if specs[name] is None and kind not in CACHES:
             raise ValueError(f"hf variant {name!r}: cache {kind!r} is not one of {CACHES}")
-    if hf["baseline"] not in specs:
-        raise ValueError(f"hf.baseline {hf['baseline']!r} is not one of the variants {names}")
+    for v in hf["variants"]:
+        if not isinstance(v.get("graph", False), bool):
+            raise ValueError(f"hf variant {v['name']!r}: graph={v['graph']!r} must be true or false")
+        if v.get("graph") and v.get("palu") is None and kinds[v["name"]] != "static":
+            raise ValueError(f"hf variant {v['name']!r}: a CUDA graph needs the static dense cache, "
+                             f"not {kinds[v['name']]!r}")
+    for where, base in [("hf.baseline", hf["baseline"])] + [
+            (f"hf variant {v['name']!r}: baseline", v["baseline"]) for v in hf["variants"] if "baseline" in v]:
+        if base not in specs:
+            raise ValueError(f"{where} {base!r} is not one of the variants {names}")
     return shape, specs, kinds
 
 
@@ -205,6 +258,7 @@ def run_hf(cfg: dict, log=print) -> dict:
     model = hf_llama(shape, "cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     rows, checks, installed = [], [], None
+    graphs = {v["name"]: bool(v.get("graph", False)) for v in hf["variants"]}
     # dense first, then the Palu variants grouped by their factorisation (installed in place)
     for name, spec in sorted(specs.items(), key=lambda kv: kv[1] is not None):
         if spec is not None and installed != (spec.group_size, spec.rank_k, spec.rank_v):
@@ -217,17 +271,19 @@ def run_hf(cfg: dict, log=print) -> dict:
             weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         bits = None if spec is None or spec.bits == 16 else spec.bits
         if spec is not None and hf.get("check_context"):
-            c = {"variant": name, **check(model, bits, hf["check_context"], batch)}
+            c = {"variant": name, **check(model, bits, hf["check_context"], batch, graphs[name])}
             log(f"hf check {name}: kernels vs torch path, rel err {c['rel_err']:.2e} "
                 f"({c['kernel_layers']} layers through the kernels)")
             checks.append(c)
         for context in hf["contexts"]:
             row = {"variant": name, "context": context, "batch": batch, "weight_bytes": weights,
-                   "cache": "latent" if spec else kinds[name],
+                   "cache": ("graph-latent" if graphs[name] else "latent") if spec else kinds[name],
+                   "graph": graphs[name],
                    "group_size": spec.group_size if spec else None, "rank_k": spec.rank_k if spec else None,
                    "rank_v": spec.rank_v if spec else None, "bits": spec.bits if spec else 16}
             try:
-                row.update(_measure(model, bits, spec is not None, kinds[name], context, batch, hf["steps"]))
+                row.update(_measure(model, bits, spec is not None, kinds[name], context, batch, hf["steps"],
+                                    graphs[name]))
                 log(f"hf {name} T={context}: {row['seconds_per_token'] * 1e3:.2f} ms/token, "
                     f"cache {row['cache_bytes'] / 2**30:.1f} GiB")
             except torch.OutOfMemoryError as err:
@@ -237,11 +293,14 @@ def run_hf(cfg: dict, log=print) -> dict:
                 log(f"hf {name} T={context}: {row['error']}")
             rows.append(row)
             torch.cuda.empty_cache()
-    base = {r["context"]: r["seconds_per_token"] for r in rows
-            if r["variant"] == hf["baseline"] and "error" not in r}
+    # speed-ups over the variant's own `baseline` (e.g. graph rows over the dense graph row)
+    baselines = {v["name"]: v.get("baseline", hf["baseline"]) for v in hf["variants"]}
+    times = {(r["variant"], r["context"]): r["seconds_per_token"] for r in rows if "error" not in r}
     for r in rows:
-        if "error" not in r and r["context"] in base:
-            r["speedup"] = base[r["context"]] / r["seconds_per_token"]
+        base = times.get((baselines[r["variant"]], r["context"]))
+        r["baseline"] = baselines[r["variant"]]
+        if "error" not in r and base is not None:
+            r["speedup"] = base / r["seconds_per_token"]
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -96,10 +96,14 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
 
 
 def hf_markdown(hf: dict) -> str:
-    """The transformers-path section (`bench.hf_decode`): eager steps, no CUDA graph."""
+    """The transformers-path section (`bench.hf_decode`): eager steps, and CUDA-graph replays
+    (`graph` rows) where the run has them."""
     frame = pd.DataFrame(hf["rows"])
     if "error" not in frame:
         frame["error"] = None
+    for column, default in (("graph", False), ("baseline", hf["baseline"])):
+        # runs before the graph rows: eager only, one baseline
+        frame[column] = frame[column].fillna(default) if column in frame else default
     order = list(dict.fromkeys(frame["variant"]))
     frame["variant"] = pd.Categorical(frame["variant"], categories=order, ordered=True)
     ok = frame[frame["error"].isna()].copy()
@@ -108,20 +112,29 @@ def hf_markdown(hf: dict) -> str:
     ok["GiB"] = ok["cache_bytes"] / 2 ** 30
     fails = frame[frame["error"].notna()][["variant", "context", "error"]]
     checks = pd.DataFrame(hf["checks"])
+    graphs = bool(frame["graph"].astype(bool).any())
     return (
-        "\n## The transformers path (eager, no CUDA graph)\n\n"
-        "`LlamaForCausalLM` of the same shapes (random fp16 weights; Palu: `install_palu` with random "
+        "\n## The transformers path" + (" (eager, and replayed as CUDA graphs)" if graphs else " (eager, no CUDA graph)")
+        + "\n\n`LlamaForCausalLM` of the same shapes (random fp16 weights; Palu: `install_palu` with random "
         "factors of the same ranks), one `model(input_ids, past_key_values=cache)` call per token as "
         "`generate` makes it; Palu reads `palu.LatentCache` through the same kernels (fused o_proj "
         "of the latent outputs). Dense: transformers' `StaticCache` (the baseline) and `DynamicCache` "
-        "(generate's default; it concatenates, copying the cache every step). These steps are "
+        "(generate's default; it concatenates, copying the cache every step). These eager steps are "
         "bound by Python and launch overhead (compare the CUDA-graph table above): what the HF "
         "integration delivers as is, not what the kernels can. Being host-bound they vary with "
         "the host's load from run to run (by up to ~1.5x on the shared H200 host), more than the "
         "graph-replayed steps; hence the fastest step beside the median.\n\n"
-        f"### ms per token (median)\n\n{_pivot(ok, 'ms', '.2f')}\n\n"
+        + ("`-graph` rows replay each step of the same model as one CUDA graph: Palu through "
+           "`palu.GraphLatentCache` (preallocated slots written in place at device-side positions) "
+           "and `palu.GraphDecoder` (one graph per bucket of context lengths, at most 1/8 more slots "
+           "than tokens, masked by length on the device), dense through transformers' "
+           "`StaticCache` captured the same way (it attends over all its slots, sized here to the "
+           "context plus the timed steps). Their speed-ups are over the dense graph row.\n\n"
+           if graphs else "")
+        + f"### ms per token (median)\n\n{_pivot(ok, 'ms', '.2f')}\n\n"
         f"### ms per token (fastest step)\n\n{_pivot(ok, 'min ms', '.2f')}\n\n"
-        f"### Speed-up over {hf['baseline']} (medians)\n\n{_pivot(ok, 'speedup', '.2f')}\n\n"
+        f"### Speed-up over the row's baseline (medians)\n\n"
+        f"{_pivot(ok, 'speedup', '.2f', ('variant', 'baseline'))}\n\n"
         f"### Cache (GiB, buffers held)\n\n{_pivot(ok, 'GiB', '.2f')}\n\n"
         "### Kernels vs torch path (one step, same cache contents; rel. error of the logits)\n\n"
         + (checks.to_markdown(index=False, floatfmt=".2e") if len(checks) else "none")

@@ -1,0 +1,192 @@
+"""A preallocated latent cache for transformers that a CUDA graph can capture.
+
+`LatentCache` grows its buffers and decides things on the host as tokens arrive (buffer room,
+position contiguity), so every decode step runs eagerly: at 7B shapes a Palu layer costs ~1.5 ms
+of Python per token (kernels/NOTES.md, session 8). `GraphLatentCache` allocates `max_tokens`
+slots per layer once, in the kernels' layout (`kernels/layout.py`: [batch, groups, tokens, rank],
+packed along the rank when quantised), and writes token i at slot i with device-side indices
+(`position_ids`). Nothing it does in a one-token step reads a device value on the host, so
+`palu.generation.GraphDecoder` captures the whole model step as one CUDA graph and replays it.
+
+The kernels read the first `view_tokens` slots (a host number fixed per captured graph, rounded
+up from the real length by the decoder) and mask by `lengths` (device, = last position + 1).
+Rows of a batch are aligned: every row holds positions 0 .. n-1 (no left padding). Eager use
+(prefill, CPU, the torch path) works like any cache; the positions are then checked.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent
+from .static_latent import _buffer, _slice
+
+
+def palu_layers(model) -> dict:
+    """{layer index: PaluAttention} of a model with Palu installed (an error if none is)."""
+    from ..attention.palu_attention import PaluAttention
+    found = {m.layer_idx: m for m in model.modules() if isinstance(m, PaluAttention)}
+    if not found:
+        raise ValueError("the model has no Palu attention: install it first (palu.compress, "
+                         "palu.load_compressed or palu.install_palu)")
+    return found
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class GraphLatentLayer(CacheLayerMixin):
+    """One layer's latents: keys [B, G, max_tokens, rank_k], values (rank_v), fp16 or packed."""
+
+    is_compileable = True
+
+    def __init__(self, cache: "GraphLatentCache", groups: int, rank_k: int, rank_v: int, dtype, device):
+        super().__init__()
+        self.cache, self.groups = cache, groups
+        B, n, bits = cache.batch, cache.max_tokens, cache.bits or 16
+        self.keys = _buffer(B, groups, n, rank_k, bits, device, dtype)
+        self.values = _buffer(B, groups, n, rank_v, bits, device, dtype)
+        self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
+
+    def lazy_initialization(self, key_states, value_states) -> None:   # allocated up front
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("GraphLatentCache stores Palu latents (PaluAttention calls update_latent); "
+                        "a model without Palu attention needs a dense cache")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.seen
+
+    def get_max_length(self) -> int:
+        return self.cache.max_tokens
+
+    def reset(self) -> None:
+        for buf in (self.keys, self.values):
+            for t in ((buf.data, buf.scale, buf.zero) if isinstance(buf, QuantLatent) else (buf,)):
+                t.zero_()
+
+    def write(self, hk: torch.Tensor, hv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Latents hk (B, T, G*rank_k), hv (B, T, G*rank_v) to the contiguous slots
+        slots[0] .. slots[0]+T-1 (`slots`: a device tensor of T positions)."""
+        B, T, _ = hk.shape
+        for buf, h in ((self.keys, hk), (self.values, hv)):
+            h = h.view(B, T, self.groups, -1).transpose(1, 2)              # (B, G, T, r)
+            if not isinstance(buf, QuantLatent):
+                buf.index_copy_(2, slots, h.to(buf.dtype))
+            elif h.device.type == "cuda" or _interpreting():
+                from kernels.quantize import quantize_into   # imports triton: only where it runs
+                quantize_into(h, buf, slots[:1])
+            else:   # CPU without the interpreter: torch quantisation, same bytes
+                from kernels.layout import quantize_latent
+                q = quantize_latent(h, buf.bits)
+                for dst, src in ((buf.data, q.data), (buf.scale, q.scale), (buf.zero, q.zero)):
+                    dst.index_copy_(2, slots, src)
+
+    def view(self, tokens: int):
+        """The first `tokens` slots of keys and values (views, no copy)."""
+        return _slice(self.keys, 0, tokens), _slice(self.values, 0, tokens)
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class GraphLatentCache(Cache):
+    """Latents of every Palu layer of `model` in preallocated slots (`max_tokens` per row).
+
+    `bits` None keeps the latents in the model's dtype; 2, 4 or 8 stores them packed with fp16
+    scales and zero points per token and group. Every layer's groups need one key rank and one
+    value rank (the kernels' layout; uniform allocations have them).
+    """
+
+    def __init__(self, model, max_tokens: int, batch: int = 1, bits: int | None = None):
+        if bits is not None and bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
+        for name, value in (("max_tokens", max_tokens), ("batch", batch)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        modules = palu_layers(model)
+        n_layers = model.config.num_hidden_layers
+        if sorted(modules) != list(range(n_layers)):
+            raise ValueError(f"Palu attention is installed in layers {sorted(modules)}, not in all "
+                             f"{n_layers}: GraphLatentCache holds latents only")
+        self.max_tokens, self.batch, self.bits = max_tokens, batch, bits
+        self.seen = 0              # tokens stored (host): advanced by eager steps, set by GraphDecoder
+        self.view_tokens: int | None = None   # slots the kernels read while a graph is captured
+        layers = []
+        for i in range(n_layers):
+            attn = modules[i]
+            for name, ranks in (("key", attn.ranks_k), ("value", attn.ranks_v)):
+                if len(set(ranks)) != 1:
+                    raise ValueError(f"layer {i}: {name} ranks differ between groups ({list(ranks)}); "
+                                     "GraphLatentCache needs one rank per layer (use LatentCache)")
+            layers.append(GraphLatentLayer(self, attn.n_groups, attn.ranks_k[0], attn.ranks_v[0],
+                                           attn.A_k.dtype, attn.A_k.device))
+        super().__init__(layers=layers)
+        device = attn.A_k.device
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)    # last position + 1
+        self.offsets = torch.zeros(batch, dtype=torch.int32, device=device)    # slot i = position i
+
+    def update_latent(self, hk: torch.Tensor, hv: torch.Tensor, positions: torch.Tensor,
+                      layer_idx: int) -> int:
+        """Store latents (B, T, R) at the slots `positions` (B or 1, T) name; return the number
+        of slots the attention reads this step."""
+        B, T, _ = hk.shape
+        if B != self.batch:
+            raise ValueError(f"batch {B} != the cache's batch {self.batch}")
+        capturing = _capturing()
+        if layer_idx == 0:
+            if not capturing and self.view_tokens is None:
+                self._check_positions(positions, T)
+            self.lengths.copy_((positions[:, -1] + 1).expand(B))
+        self.layers[layer_idx].write(hk, hv, positions[0])
+        if self.view_tokens is not None:
+            return self.view_tokens
+        if capturing:
+            raise RuntimeError("GraphLatentCache: set view_tokens before capturing a CUDA graph "
+                               "(GraphDecoder does)")
+        tokens = self.seen + T
+        if layer_idx == len(self.layers) - 1:
+            self.seen = tokens
+        return tokens
+
+    def _check_positions(self, positions: torch.Tensor, T: int) -> None:
+        """Eager steps only (a host sync): slots seen .. seen+T-1 in every row."""
+        if self.seen + T > self.max_tokens:
+            raise ValueError(f"{self.seen} cached + {T} new tokens exceed max_tokens={self.max_tokens}")
+        want = torch.arange(self.seen, self.seen + T, device=positions.device)
+        if positions.shape[-1] != T or not bool((positions == want).all()):
+            raise ValueError(f"GraphLatentCache stores token i at slot i: positions must be "
+                             f"{self.seen}..{self.seen + T - 1} in every row (no left padding); got "
+                             f"{positions[:, :4].tolist()}...")
+
+    def kernel_latents(self, layer_idx: int, tokens: int):
+        """Keys and values of `tokens` slots in the kernels' layout ([B, G, tokens, r] or packed)."""
+        return self.layers[layer_idx].view(tokens)
+
+    def latents(self, layer_idx: int, tokens: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's (B, tokens, G*r) keys and values, dequantised when packed."""
+        out = []
+        for buf in self.kernel_latents(layer_idx, tokens):
+            h = dequantize_latent(buf, dtype) if isinstance(buf, QuantLatent) else buf.to(dtype)
+            B, G, S, r = h.shape
+            out.append(h.transpose(1, 2).reshape(B, S, G * r))
+        return out[0], out[1]
+
+    def reset(self) -> None:
+        """Empty the cache (slots zeroed), keeping its buffers: captured graphs stay valid."""
+        super().reset()
+        self.seen = 0
+        self.lengths.zero_()
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's slots (packed data, scales and zero points included)."""
+        def size(buf):
+            return buf.nbytes() if isinstance(buf, QuantLatent) else buf.numel() * buf.element_size()
+        return sum(size(layer.keys) + size(layer.values) for layer in self.layers)
