@@ -37,6 +37,10 @@ def test_compressed_smollm2_generates_and_stores_half_the_cache(smollm):
     out = model.generate(prompt, max_new_tokens=12, do_sample=False, past_key_values=palu.LatentCache(model))
     text = tok.decode(out[0, prompt.shape[1]:])
     assert len(text.strip()) > 10
+    # the preallocated, graph-capturable cache holds the same latents: the same greedy text
+    graph_cache = palu.GraphLatentCache(model, max_tokens=prompt.shape[1] + 12)
+    same = model.generate(prompt, max_new_tokens=12, do_sample=False, past_key_values=graph_cache)
+    assert torch.equal(same, out) and graph_cache.seen == out.shape[1] - 1   # the last token is not cached
     ids = calib[:1, :200]
     dense = cache_bytes(base, ids, latent=False)
     latent = cache_bytes(model, ids, latent=True)
