@@ -17,6 +17,6 @@ from .models.adapters import geometry_of
 from .models.loading import load_model
 
 __all__ = ["CompressionResult", "GraphDecoder", "GraphLatentCache", "LatentCache", "allocate",
-           "calibration_data", "compress", "evaluate_corpus", "geometry_of", "install_palu", "load_compressed", "load_corpus",
-           "load_model", "perplexity"]
+           "calibration_data", "compress", "evaluate_corpus", "geometry_of", "install_palu",
+           "load_compressed", "load_corpus", "load_model", "perplexity"]
 __version__ = "0.1.0"

@@ -4,8 +4,9 @@
 `StaticCache` (preallocated, written in place) or `DynamicCache` (`generate`'s default, which
 concatenates: every step copies the whole cache) vs the same model with Palu attention
 installed (`install_palu`, random factors of the configured ranks: decode time does not depend
-on the values) and `palu.LatentCache` (fp16 or packed latents). Each step is `model(input_ids=..., past_key_values=cache)` in eager
-mode, as `generate` runs it: Python, per-layer launches and the cache's append included.
+on the values) and `palu.LatentCache` (fp16 or packed latents). Each step is
+`model(input_ids=..., past_key_values=cache)` in eager mode, as `generate` runs it: Python,
+per-layer launches and the cache's append included.
 Variants with `graph: true` replay each step as a CUDA graph instead: Palu through
 `palu.GraphLatentCache` and `palu.GraphDecoder` (what a user of the library runs for speed), dense
 through transformers' `StaticCache` captured the same way (its device-side length counter and
@@ -186,7 +187,8 @@ def check(model, bits: int | None, context: int, batch: int, graph: bool = False
             if graph and backend == "triton":
                 out = GraphDecoder(model, cache).step(tokens[:, 0], context)
             else:
-                out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                out = model(input_ids=tokens, past_key_values=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
             logits[backend] = out.float()
     finally:
         kernel_backend.kernel_decode = real

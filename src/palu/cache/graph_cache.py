@@ -15,6 +15,8 @@ Rows of a batch are aligned: every row holds positions 0 .. n-1 (no left padding
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -34,6 +36,10 @@ def palu_layers(model) -> dict:
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class GraphLatentLayer(CacheLayerMixin):
@@ -92,11 +98,6 @@ class GraphLatentLayer(CacheLayerMixin):
         return _slice(self.keys, 0, tokens), _slice(self.values, 0, tokens)
 
 
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 class GraphLatentCache(Cache):
     """Latents of every Palu layer of `model` in preallocated slots (`max_tokens` per row).
 
@@ -135,8 +136,8 @@ class GraphLatentCache(Cache):
 
     def update_latent(self, hk: torch.Tensor, hv: torch.Tensor, positions: torch.Tensor,
                       layer_idx: int) -> int:
-        """Store latents (B, T, R) at the slots `positions` (B or 1, T) name; return the number
-        of slots the attention reads this step."""
+        """Store latents (B, T, R) at slots positions[0] .. (`positions`: (B or 1, T), the same
+        in every row); return the number of slots the attention reads this step."""
         B, T, _ = hk.shape
         if B != self.batch:
             raise ValueError(f"batch {B} != the cache's batch {self.batch}")

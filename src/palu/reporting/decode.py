@@ -114,7 +114,8 @@ def hf_markdown(hf: dict) -> str:
     checks = pd.DataFrame(hf["checks"])
     graphs = bool(frame["graph"].astype(bool).any())
     return (
-        "\n## The transformers path" + (" (eager, and replayed as CUDA graphs)" if graphs else " (eager, no CUDA graph)")
+        "\n## The transformers path"
+        + (" (eager, and replayed as CUDA graphs)" if graphs else " (eager, no CUDA graph)")
         + "\n\n`LlamaForCausalLM` of the same shapes (random fp16 weights; Palu: `install_palu` with random "
         "factors of the same ranks), one `model(input_ids, past_key_values=cache)` call per token as "
         "`generate` makes it; Palu reads `palu.LatentCache` through the same kernels (fused o_proj "
