@@ -114,7 +114,8 @@ class GraphDecoder:
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int,
                  eos_token_id: int | None = None) -> torch.Tensor:
         """Greedy continuation of `input_ids` (B, T) into an empty cache: (B, T + new tokens).
-        With `eos_token_id`, stops once every row has produced it (one host sync per step)."""
+        With `eos_token_id`, stops once every row has produced it (one host sync per step); a
+        row that finished earlier goes on generating (cut it at its first eos)."""
         B, T = input_ids.shape
         if self.cache.seen:
             raise ValueError(f"the cache already holds {self.cache.seen} tokens; generate starts "
