@@ -146,6 +146,18 @@ def test_graph_decoder_generates_what_transformers_generates(family, bits):
     assert decoder.captured == 11
 
 
+def test_graph_decoder_stops_at_eos():
+    model = _compressed(tiny_llama())
+    set_backend(model, "torch")
+    ids = torch.randint(0, 97, (1, 5))
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                         past_key_values=palu.LatentCache(model))
+    eos = int(ref[0, 8])
+    first = next(k for k in range(5, 17) if int(ref[0, k]) == eos)
+    out = EagerDecoder(model, palu.GraphLatentCache(model, max_tokens=16)).generate(ids, 12, eos_token_id=eos)
+    assert torch.equal(out, ref[:, :first + 1])
+
+
 def test_bucket_tokens_rounds_up_by_at_most_an_eighth():
     assert [bucket_tokens(n, 1 << 20) for n in (1, 256, 257, 4096, 4097, 4609, 65537)] == \
         [256, 256, 288, 4096, 4608, 5120, 73728]
