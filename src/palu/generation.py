@@ -11,8 +11,9 @@ lengths and replayed:
 A graph's kernels read a fixed number of cache slots (the bucket: the context rounded up, at
 most 1/8 more, `bucket_tokens`) and mask the rest by the cache's device-side lengths, so one
 graph serves every step of its bucket; a generation captures eight graphs per doubling of the
-context (each one eager step and a capture, plus the kernels' compilation for a new length). Greedy only;
-no padding (every row of a batch has the same length).
+context (each costs two eager steps and a capture, ~0.2 s at 7B shapes on an H200, plus the
+kernels' compilation the first time a length specialisation appears). Greedy only; no padding
+(every row of a batch has the same length).
 """
 from __future__ import annotations
 
