@@ -20,8 +20,8 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent
-from .static_latent import _buffer, _slice
+from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
+from .static_latent import _buffer, _nbytes, _slice
 
 
 def palu_layers(model) -> dict:
@@ -88,7 +88,6 @@ class GraphLatentLayer(CacheLayerMixin):
                 from kernels.quantize import quantize_into   # imports triton: only where it runs
                 quantize_into(h, buf, slots[:1])
             else:   # CPU without the interpreter: torch quantisation, same bytes
-                from kernels.layout import quantize_latent
                 q = quantize_latent(h, buf.bits)
                 for dst, src in ((buf.data, q.data), (buf.scale, q.scale), (buf.zero, q.zero)):
                     dst.index_copy_(2, slots, src)
@@ -188,6 +187,4 @@ class GraphLatentCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of every layer's slots (packed data, scales and zero points included)."""
-        def size(buf):
-            return buf.nbytes() if isinstance(buf, QuantLatent) else buf.numel() * buf.element_size()
-        return sum(size(layer.keys) + size(layer.values) for layer in self.layers)
+        return sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in self.layers)
