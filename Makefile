@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test install clean-work
+.PHONY: run test test-fast install clean-work
 
 install: $(STAMP)
 
@@ -26,8 +26,14 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/embedded.txt
 run: $(STAMP)
 	$(BIN)/snakemake --cores $(CORES) --profile workflow/profiles/local $(SNAKEFLAGS)
 
+# Every lane that can run here: unit, integration (the embedded model), pipeline (the DAG),
+# kernels (Triton interpreter); the gpu lane skips without a CUDA device.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The unit lane alone: tiny random models, about a minute.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 clean-work:
 	rm -rf work .snakemake

@@ -15,7 +15,7 @@ include: "workflow/rules/latency.smk"
 
 rule all:
     input:
-        expand(f"{R}/tables/{{table}}.{{ext}}", table=TABLES, ext=["csv", "md"]),
-        f"{R}/figures/rank_allocation.png",
-        f"{R}/tables/cache_memory.md",
+        expand(str(naming.table_prefix(R, "{table}")) + ".{ext}", table=TABLES, ext=["csv", "md"]),
+        str(naming.figure_path(R, "rank_allocation")),
+        str(naming.table_prefix(R, "cache_memory")) + ".md",
         LATENCY_TARGETS,

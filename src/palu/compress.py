@@ -17,7 +17,7 @@ from .calib.fisher import collect_fisher
 from .calib.gram import collect_grams
 from .data.corpora import load_corpus
 from .data.windows import calibration_windows, tokenize
-from .decompose.checkpoint import save_compressed, source_hash
+from .decompose.checkpoint import checkpoint_tag, save_compressed, source_hash
 from .decompose.factors import decompose_model
 from .decompose.ranks import allocate
 from .models.adapters import geometry_of
@@ -43,8 +43,7 @@ class CompressionResult:
 
 def build_manifest(model, model_id: str, allocation: dict, decomposition: str, fuse: bool,
                    report: dict, settings: dict, base_hash: str | None = None) -> dict:
-    from .pipeline.naming import palu_tag
-    tag = palu_tag(decomposition, allocation["method"], allocation["kept_ratio_target"],
+    tag = checkpoint_tag(decomposition, allocation["method"], allocation["kept_ratio_target"],
                    allocation["group_size"])
     errors = [e["rel_error"] for e in report.get("output_error", [])]
     return {

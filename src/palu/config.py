@@ -6,9 +6,16 @@ Hydra composes the YAML tree under `conf/`; `validate(cfg)` merges it onto these
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
+
+from .decompose.factors import DECOMPOSITIONS
+from .decompose.ranks import RANK_METHODS
+
+
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")   # links to the top-level conf/
 
 
 class ConfigError(ValueError):
@@ -89,8 +96,8 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    method: str = "fp16"                # fp16 | palu
-    checkpoint: Optional[str] = None    # compressed checkpoint folder (method=palu)
+    # the KV-cache method (conf/method/<name>.yaml; fields checked by palu.methods)
+    method: Dict[str, Any] = field(default_factory=lambda: {"name": "fp16"})
     out: Optional[str] = None           # output file; default derived from the parameters
     device: str = "cpu"
     seed: int = 0
@@ -98,9 +105,8 @@ class Config:
 
 
 _CHOICES = {
-    "method": ("fp16", "palu"),
-    "palu.rank_method": ("uniform", "fisher", "fisher_uniform", "fisher_sqrt"),
-    "palu.decomposition": ("whitened", "plain"),
+    "palu.rank_method": RANK_METHODS,
+    "palu.decomposition": DECOMPOSITIONS,
     "tracking.mode": ("offline", "online", "disabled"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),
 }
@@ -133,10 +139,20 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     if not (0.0 < merged.data.calibration_fraction < 1.0):
         raise ConfigError(f"data.calibration_fraction={merged.data.calibration_fraction!r} "
                           "must lie in (0, 1)")
-    if merged.method == "palu" and not merged.checkpoint:
-        raise ConfigError("method=palu needs checkpoint=<compressed checkpoint folder>")
+    if merged.device != "cpu" and not merged.device.startswith("cuda"):
+        raise ConfigError(f"device={merged.device!r} must be 'cpu' or 'cuda[:N]'")
+    method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def method_of(cfg: DictConfig):
+    """The config's KV-cache method object (errors name the bad `method.*` value)."""
+    from .methods import MethodError, build_method
+    try:
+        return build_method(OmegaConf.to_container(cfg.method, resolve=True))
+    except MethodError as err:
+        raise ConfigError(str(err)) from None
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:

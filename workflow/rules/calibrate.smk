@@ -1,12 +1,12 @@
 rule calibrate:
     input:
-        f"{W}/models/{M}",
+        MODEL_DIR,
     output:
-        gram_file(),
+        str(naming.gram_path(W, M, CTAG)),
     log:
-        f"{W}/logs/calibrate/{M}-{CTAG}.log",
+        log("calibrate", f"{M}-{CTAG}"),
     benchmark:
-        f"{W}/benchmarks/calibrate/{M}-{CTAG}.tsv"
+        bench("calibrate", f"{M}-{CTAG}")
     threads: workflow.cores
     shell:
         "{PY} -m palu.cli.calibrate {COMMON} out={output} progress=false > {log} 2>&1"
@@ -14,13 +14,13 @@ rule calibrate:
 
 rule fisher:
     input:
-        f"{W}/models/{M}",
+        MODEL_DIR,
     output:
-        fisher_file(),
+        str(naming.fisher_path(W, M, CTAG, FTAG)),
     log:
-        f"{W}/logs/fisher/{M}-{CTAG}-{FTAG}.log",
+        log("fisher", f"{M}-{CTAG}-{FTAG}"),
     benchmark:
-        f"{W}/benchmarks/fisher/{M}-{CTAG}-{FTAG}.tsv"
+        bench("fisher", f"{M}-{CTAG}-{FTAG}")
     threads: workflow.cores
     shell:
         "{PY} -m palu.cli.fisher {COMMON} out={output} progress=false > {log} 2>&1"

@@ -2,27 +2,28 @@ rule collect_table:
     input:
         lambda w: GRID.table_inputs(w.table),
     output:
-        csv=f"{R}/tables/{{table}}.csv",
-        md=f"{R}/tables/{{table}}.md",
+        csv=str(naming.table_prefix(R, "{table}")) + ".csv",
+        md=str(naming.table_prefix(R, "{table}")) + ".md",
     wildcard_constraints:
         table="|".join(TABLES),
     log:
-        f"{W}/logs/collect/{{table}}.log",
+        log("collect", "{table}"),
     params:
         inputs=lambda w, input: ",".join(input),
+        prefix=lambda w: str(naming.table_prefix(R, w.table)),
         tracking=config.get("tracking", "offline"),
     shell:
         "{PY} -m palu.cli.collect table={wildcards.table} 'inputs=[{params.inputs}]' "
-        "out={R}/tables/{wildcards.table} tracking={params.tracking} paths.work={W} > {log} 2>&1"
+        "out={params.prefix} tracking={params.tracking} paths.work={W} > {log} 2>&1"
 
 
 rule rank_allocation_figure:
     input:
         GRID.ranks_file(GRID.figure_spec()),
     output:
-        f"{R}/figures/rank_allocation.png",
+        str(naming.figure_path(R, "rank_allocation")),
     log:
-        f"{W}/logs/collect/rank_allocation.log",
+        log("collect", "rank_allocation"),
     shell:
         "{PY} -m palu.cli.collect table=rank_allocation 'inputs=[{input}]' out={output} "
         "tracking=disabled > {log} 2>&1"
@@ -30,18 +31,19 @@ rule rank_allocation_figure:
 
 rule cache_memory:
     input:
-        model=f"{W}/models/{M}",
-        checkpoint=lambda w: checkpoint_of(GRID.memory_wildcards()),
+        model=MODEL_DIR,
+        checkpoint=GRID.checkpoint(GRID.memory_spec()),
     output:
-        json=f"{R}/tables/cache_memory.json",
-        md=f"{R}/tables/cache_memory.md",
+        json=str(naming.table_prefix(R, "cache_memory")) + ".json",
+        md=str(naming.table_prefix(R, "cache_memory")) + ".md",
     log:
-        f"{W}/logs/collect/cache_memory.log",
+        log("collect", "cache_memory"),
     params:
-        palu=lambda w: palu_overrides(GRID.memory_wildcards()),
+        palu=GRID.decompose_overrides(GRID.memory_spec()),
         context=config["memory"]["context"],
     threads: workflow.cores
     shell:
-        "{PY} -m palu.cli.generate {COMMON} {params.palu} method=palu checkpoint={input.checkpoint} "
-        "data={config[memory][corpus]} generate.context={params.context} out={output.json} "
-        "tracking=disabled progress=false > {log} 2>&1"
+        "{PY} -m palu.cli.generate {COMMON} {params.palu} method=palu "
+        "method.checkpoint={input.checkpoint} data={config[memory][corpus]} "
+        "generate.context={params.context} out={output.json} tracking=disabled progress=false "
+        "> {log} 2>&1"

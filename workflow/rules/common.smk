@@ -1,6 +1,8 @@
+import re
 import sys
-from pathlib import Path
 
+from palu.decompose.factors import DECOMPOSITIONS
+from palu.decompose.ranks import RANK_METHODS
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid, PaluSpec
 
@@ -9,39 +11,31 @@ PY = sys.executable          # shell commands must use the venv's interpreter
 W, R, M = GRID.work, GRID.results, GRID.model
 CTAG, FTAG, MULT = GRID.ctag, GRID.ftag, config["rank_multiple"]
 COMMON = " ".join(GRID.common_overrides())
-TABLES = ["baseline", "granularity", "rank_search"]
+TABLES = GRID.tables()
+MODEL_DIR = GRID.prepared_model()
 
 wildcard_constraints:
     kept=r"[0-9.]+",
     group=r"\d+",
-    method="uniform|fisher|fisher_uniform|fisher_sqrt",
-    decomp="whitened|plain",
+    method="|".join(RANK_METHODS),
+    decomp="|".join(DECOMPOSITIONS),
     corpus=r"[a-z0-9_]+",
     seqlen=r"\d+",
     tokens=r"\d+|all",
+    run="|".join(re.escape(tag) for tag in GRID.runs()),
+
+
+def log(step, name):
+    return str(naming.log_path(W, step, name))
+
+
+def bench(step, name):
+    return str(naming.benchmark_path(W, step, name))
 
 
 def max_tokens(wildcards):
     return "null" if wildcards.tokens == "all" else wildcards.tokens
 
 
-def palu_overrides(w):
-    return (f"palu.decomposition={w.decomp} palu.rank_method={w.method} "
-            f"palu.kept_ratio={w.kept} palu.group_size={w.group}")
-
-
-def checkpoint_of(w):
-    tag = naming.palu_tag(w.decomp, w.method, w.kept, w.group)
-    return str(naming.checkpoint_dir(W, M, CTAG, FTAG, tag, MULT, w.method))
-
-
-def fisher_file():
-    return str(naming.fisher_path(W, M, CTAG, FTAG))
-
-
-def gram_file():
-    return str(naming.gram_path(W, M, CTAG))
-
-
-def ranks_of(w):
-    return GRID.ranks_file(PaluSpec(w.decomp, w.method, float(w.kept), int(w.group)))
+def spec_of(w):
+    return PaluSpec(w.decomp, w.method, float(w.kept), int(w.group))

@@ -1,10 +1,13 @@
+PALU = "palu.rank_method={wildcards.method} palu.kept_ratio={wildcards.kept} palu.group_size={wildcards.group}"
+
+
 rule ranks_uniform:
     input:
-        f"{W}/models/{M}",
+        MODEL_DIR,
     output:
-        f"{W}/ranks/{M}/uniform-k{{kept}}-g{{group}}-m{MULT}.json",
+        str(naming.ranks_path(W, M, CTAG, FTAG, "uniform", "{kept}", "{group}", MULT)),
     log:
-        f"{W}/logs/ranks/uniform-k{{kept}}-g{{group}}.log",
+        log("ranks", "uniform-k{kept}-g{group}"),
     shell:
         "{PY} -m palu.cli.ranks {COMMON} palu.rank_method=uniform palu.kept_ratio={wildcards.kept} "
         "palu.group_size={wildcards.group} out={output} > {log} 2>&1"
@@ -12,34 +15,34 @@ rule ranks_uniform:
 
 rule ranks_fisher:
     input:
-        f"{W}/models/{M}",
-        fisher_file(),
+        MODEL_DIR,
+        str(naming.fisher_path(W, M, CTAG, FTAG)),
     output:
-        f"{W}/ranks/{M}/{CTAG}/{FTAG}/{{method}}-k{{kept}}-g{{group}}-m{MULT}.json",
+        str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
     wildcard_constraints:
-        method="fisher|fisher_uniform|fisher_sqrt",
+        method="|".join(m for m in RANK_METHODS if m != "uniform"),
     log:
-        f"{W}/logs/ranks/{{method}}-k{{kept}}-g{{group}}.log",
+        log("ranks", "{method}-k{kept}-g{group}"),
     shell:
-        "{PY} -m palu.cli.ranks {COMMON} palu.rank_method={wildcards.method} "
-        "palu.kept_ratio={wildcards.kept} palu.group_size={wildcards.group} out={output} > {log} 2>&1"
+        "{PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
 
 
 rule decompose:
     input:
-        model=f"{W}/models/{M}",
-        gram=gram_file(),
-        ranks=ranks_of,
+        model=MODEL_DIR,
+        gram=str(naming.gram_path(W, M, CTAG)),
+        ranks=lambda w: GRID.ranks_file(spec_of(w)),
     wildcard_constraints:
         ftag=f"no-fisher|{FTAG}",
     output:
-        directory(f"{W}/palu/{M}/{CTAG}/{{ftag}}/palu-{{decomp}}-{{method}}-k{{kept}}-g{{group}}-m{MULT}"),
+        directory(str(naming.checkpoint_dir(W, M, CTAG, "{ftag}", naming.palu_tag(
+            "{decomp}", "{method}", "{kept}", "{group}"), MULT, "{method}"))),
     log:
-        f"{W}/logs/decompose/{{ftag}}-{{decomp}}-{{method}}-k{{kept}}-g{{group}}.log",
+        log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}"),
     benchmark:
-        f"{W}/benchmarks/decompose/{{ftag}}-{{decomp}}-{{method}}-k{{kept}}-g{{group}}.tsv"
+        bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}")
     threads: workflow.cores
     params:
-        palu=palu_overrides,
+        palu=lambda w: GRID.decompose_overrides(spec_of(w)),
     shell:
         "{PY} -m palu.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"

@@ -1,35 +1,19 @@
-rule evaluate_fp16:
+# One rule for every method: the grid says what a run needs (`run_inputs`) and which Hydra
+# overrides select its method (`run_overrides`); `run` is the method's tag.
+rule evaluate:
     input:
-        f"{W}/models/{M}",
+        lambda w: GRID.run_inputs(w.run),
     output:
-        f"{R}/runs/{M}/fp16/ppl-{{corpus}}-L{{seqlen}}-T{{tokens}}.json",
+        str(naming.metrics_path(R, M, "{run}", "{corpus}", "{seqlen}", "{tokens}")),
     log:
-        f"{W}/logs/evaluate/fp16-{{corpus}}-L{{seqlen}}-T{{tokens}}.log",
+        log("evaluate", "{run}-{corpus}-L{seqlen}-T{tokens}"),
     benchmark:
-        f"{W}/benchmarks/evaluate/fp16-{{corpus}}-L{{seqlen}}-T{{tokens}}.tsv"
+        bench("evaluate", "{run}-{corpus}-L{seqlen}-T{tokens}")
     threads: workflow.cores
     params:
         max_tokens=max_tokens,
+        method=lambda w: GRID.run_overrides(w.run),
     shell:
-        "{PY} -m palu.cli.evaluate {COMMON} data={wildcards.corpus} data.seqlen={wildcards.seqlen} "
-        "data.max_tokens={params.max_tokens} out={output} progress=false > {log} 2>&1"
-
-
-rule evaluate_palu:
-    input:
-        model=f"{W}/models/{M}",
-        checkpoint=checkpoint_of,
-    output:
-        f"{R}/runs/{M}/palu-{{decomp}}-{{method}}-k{{kept}}-g{{group}}/ppl-{{corpus}}-L{{seqlen}}-T{{tokens}}.json",
-    log:
-        f"{W}/logs/evaluate/palu-{{decomp}}-{{method}}-k{{kept}}-g{{group}}-{{corpus}}-L{{seqlen}}-T{{tokens}}.log",
-    benchmark:
-        f"{W}/benchmarks/evaluate/palu-{{decomp}}-{{method}}-k{{kept}}-g{{group}}-{{corpus}}-L{{seqlen}}-T{{tokens}}.tsv"
-    threads: workflow.cores
-    params:
-        max_tokens=max_tokens,
-        palu=palu_overrides,
-    shell:
-        "{PY} -m palu.cli.evaluate {COMMON} {params.palu} method=palu checkpoint={input.checkpoint} "
-        "data={wildcards.corpus} data.seqlen={wildcards.seqlen} data.max_tokens={params.max_tokens} "
-        "out={output} progress=false > {log} 2>&1"
+        "{PY} -m palu.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
+        "data.seqlen={wildcards.seqlen} data.max_tokens={params.max_tokens} out={output} "
+        "progress=false > {log} 2>&1"

@@ -1,57 +1,61 @@
-# GPU benchmarks. `latency` runs only where a CUDA GPU is visible (it fails clearly elsewhere);
-# its JSON results are committed, so `latency_table` rebuilds the table on any machine.
-LATENCY_JSON = sorted(str(p) for p in Path(R, "latency").glob("*.json") if "tune" not in p.name)
-DECODE_JSON = sorted(str(p) for p in Path(R, "decode").glob("*.json"))
+# GPU benchmarks (the palu_bench package beside the library). `latency` / `decode` run only
+# where a CUDA GPU is visible (they fail clearly elsewhere); their JSON results are committed,
+# so the table rules rebuild the tables and figures on any machine.
+LATENCY_DIR, DECODE_DIR = naming.gpu_results_dir(R, "latency"), naming.gpu_results_dir(R, "decode")
+LATENCY_JSON = sorted(str(p) for p in LATENCY_DIR.glob("*.json") if "tune" not in p.name)
+DECODE_JSON = sorted(str(p) for p in DECODE_DIR.glob("*.json"))
 # Tables are default targets only where GPU results exist (committed ones for the default grid).
-LATENCY_TARGETS = ([f"{R}/tables/latency.md"] if LATENCY_JSON else []) + (
-    [f"{R}/tables/decode.md"] if DECODE_JSON else [])
+LATENCY_TARGETS = ([str(naming.table_prefix(R, "latency")) + ".md"] if LATENCY_JSON else []) + (
+    [str(naming.table_prefix(R, "decode")) + ".md"] if DECODE_JSON else [])
 
 
 rule latency:
     output:
-        f"{R}/latency/{{device}}-{{shape}}.json",
+        str(LATENCY_DIR / "{device}-{shape}.json"),
     log:
-        f"{W}/logs/latency/{{device}}-{{shape}}.log",
+        log("latency", "{device}-{shape}"),
     shell:
-        "{PY} -m palu.cli.latency out={output} shape={wildcards.shape} > {log} 2>&1"
+        "{PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} > {log} 2>&1"
 
 
 rule latency_table:
     input:
         LATENCY_JSON,
     output:
-        csv=f"{R}/tables/latency.csv",
-        md=f"{R}/tables/latency.md",
-        fig=f"{R}/figures/latency_speedup.png",
+        csv=str(naming.table_prefix(R, "latency")) + ".csv",
+        md=str(naming.table_prefix(R, "latency")) + ".md",
+        fig=str(naming.figure_path(R, "latency_speedup")),
     log:
-        f"{W}/logs/collect/latency.log",
+        log("collect", "latency"),
     params:
         inputs=lambda w, input: ",".join(input),
+        prefix=str(naming.table_prefix(R, "latency")),
     shell:
-        "{PY} -m palu.cli.collect table=latency 'inputs=[{params.inputs}]' out={R}/tables/latency "
-        "tracking=disabled > {log} 2>&1"
+        "{PY} -m palu_bench.cli.table table=latency 'inputs=[{params.inputs}]' "
+        "out={params.prefix} figure={output.fig} > {log} 2>&1"
 
 
 rule decode:
     output:
-        f"{R}/decode/{{device}}-llama2-7b.json",
+        str(DECODE_DIR / "{device}-llama2-7b.json"),
     log:
-        f"{W}/logs/decode/{{device}}.log",
+        log("decode", "{device}"),
     shell:
-        "{PY} -m palu.cli.decode out={output} > {log} 2>&1"
+        "{PY} -m palu_bench.cli.decode out={output} > {log} 2>&1"
 
 
 rule decode_table:
     input:
         DECODE_JSON,
     output:
-        csv=f"{R}/tables/decode.csv",
-        md=f"{R}/tables/decode.md",
-        fig=f"{R}/figures/memory_vs_context.png",
+        csv=str(naming.table_prefix(R, "decode")) + ".csv",
+        md=str(naming.table_prefix(R, "decode")) + ".md",
+        fig=str(naming.figure_path(R, "memory_vs_context")),
     log:
-        f"{W}/logs/collect/decode.log",
+        log("collect", "decode"),
     params:
         inputs=lambda w, input: ",".join(input),
+        prefix=str(naming.table_prefix(R, "decode")),
     shell:
-        "{PY} -m palu.cli.collect table=decode 'inputs=[{params.inputs}]' out={R}/tables/decode "
-        "tracking=disabled > {log} 2>&1"
+        "{PY} -m palu_bench.cli.table table=decode 'inputs=[{params.inputs}]' "
+        "out={params.prefix} figure={output.fig} > {log} 2>&1"

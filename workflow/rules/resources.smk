@@ -1,9 +1,9 @@
 rule prepare_model:
     output:
-        directory(f"{W}/models/{{model}}"),
+        directory(str(naming.prepared_model_dir(W, "{model}"))),
     log:
-        f"{W}/logs/prepare/{{model}}.log",
+        log("prepare", "{model}"),
     benchmark:
-        f"{W}/benchmarks/prepare/{{model}}.tsv"
+        bench("prepare", "{model}")
     shell:
         "{PY} -m palu.cli.prepare model={wildcards.model} paths.work={W} out={output} > {log} 2>&1"

@@ -45,7 +45,7 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
 
 def kernel_decode(attn, x, q, hk, hv, *, kpos=None, contiguous: bool | None = None, lengths=None,
                   position_offset=None):
-    """One decode step through kernels.palu_decode; returns the layer output (B, 1, hidden).
+    """One decode step through palu_kernels.palu_decode; returns the layer output (B, 1, hidden).
 
     `hk`, `hv`: the cached latents in the kernels' layout ([B, G, T, r], or packed QuantLatents).
     RoPE positions: `position_offset` [B] (token t of row b at position_offset[b] + t), or
@@ -53,7 +53,7 @@ def kernel_decode(attn, x, q, hk, hv, *, kpos=None, contiguous: bool | None = No
     (LatentCache tracks it as tokens arrive; None checks here, O(T) and one host sync).
     `lengths` [B]: tokens to read per row (default all T); a device tensor is not read on the host.
     """
-    from kernels.palu_decode import palu_decode
+    from palu_kernels.palu_decode import palu_decode
     B = x.shape[0]
     hk, hv = _kernel_dtype(hk), _kernel_dtype(hv)
     kw = dict(scale=attn._sdpa_scale(), n_rep=attn.geom.n_rep, group_size=attn.group_size, lengths=lengths)

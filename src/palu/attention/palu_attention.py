@@ -13,10 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.layout import as_groups
-
-from ..cache.graph_cache import GraphLatentCache
-from ..cache.latent_cache import LatentCache
+from ..cache.protocol import LatentStore, TensorLatents
 from ..models.adapters import FamilyAdapter, Geometry
 from .rope import apply_rope
 
@@ -39,6 +36,8 @@ def _sdpa(q, k, v, mask, scale: float, causal: bool):
 
 
 class PaluAttention(nn.Module):
+    stores_latents = True   # how caches find Palu layers without importing this class
+
     def __init__(self, attn: nn.Module, adapter: FamilyAdapter, geom: Geometry, factors,
                  group_size: int, rotary: nn.Module | None = None, fuse: bool = True):
         super().__init__()
@@ -129,8 +128,8 @@ class PaluAttention(nn.Module):
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
-        step = self._graph_cache_step if isinstance(past_key_values, GraphLatentCache) else self._cache_step
-        out, hk_all, hv_all, kpos, mask = step(x, q, hk, hv, past_key_values, position_ids, attention_mask)
+        out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
+                                                           attention_mask)
         if out is not None:   # the kernels served this step
             return out, None
         S = kpos.shape[-1]
@@ -168,54 +167,31 @@ class PaluAttention(nn.Module):
         return self.fuse and self.backend != "torch"
 
     def _cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
-        """Store this step's latents in `cache` (LatentCache, another Cache, or None) and, for a
-        one-token step the kernels can serve, attend through them. Returns (output or None, and
-        for the torch path: all latents, their positions, the mask)."""
+        """Store this step's latents in `cache` (a latent store, another Cache, or None) and, for
+        a one-token step the kernels can serve, attend through them. Returns (output or None,
+        and for the torch path: all latents, their positions, the mask)."""
         T = x.shape[1]
-        # A packed (quantised) LatentCache returns no latents: the kernels read it packed, and
-        # the torch path dequantises it only if it runs.
-        hk_all, hv_all, kpos = self._cache(hk, hv, cache, position_ids, T, x.device)
-        layer = cache.layers[self.layer_idx] if isinstance(cache, LatentCache) else None
-        mask = self._mask(attention_mask, T, kpos.shape[-1], x.device)
-        if self._kernels_may_run() and cache is not None:
+        stored = self._store(hk, hv, cache, position_ids, T, x.device)
+        if T == 1 and self._kernels_may_run() and getattr(stored, "cached", True):
             from .kernel_backend import can_use_kernel, kernel_decode
-            bits = layer.bits if layer is not None else None
-            if can_use_kernel(self, x, mask, bits) is None:
-                if bits:
-                    keys, values = layer.packed_groups(self.n_groups)
-                else:
-                    keys, values = (as_groups(h.unsqueeze(1), self.n_groups) for h in (hk_all, hv_all))
-                out = kernel_decode(self, x, q, keys, values, kpos=kpos,
-                                    contiguous=layer.contiguous if layer is not None else None)
+            if can_use_kernel(self, x, stored.kernel_mask(attention_mask, T), stored.bits) is None:
+                keys, values = stored.kernel_latents(self.n_groups)
+                out = kernel_decode(self, x, q, keys, values, **stored.kernel_positions())
                 if out is not None:
                     return out, None, None, None, None
-        if hk_all is None:
-            hk_all, hv_all = layer.latents(x.dtype)
-        return None, hk_all, hv_all, kpos, mask
+        hk_all, hv_all = stored.latents(x.dtype)
+        return None, hk_all, hv_all, stored.positions, stored.mask(attention_mask, T)
 
-    def _graph_cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
-        """As `_cache_step` for a GraphLatentCache: nothing here reads a device value on the host,
-        so a captured CUDA graph replays it. A one-token step reads `S` slots masked by the
-        cache's device-side lengths (the kernels, or the torch path with a length mask)."""
-        B, T, _ = x.shape
+    def _store(self, hk, hv, cache, position_ids, T, device):
+        if isinstance(cache, LatentStore):
+            return cache.store_latents(self.layer_idx, hk, hv, position_ids, (self.ranks_k, self.ranks_v))
+        if cache is not None:  # any other Cache stores the latents as one pseudo-head
+            k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
+            return TensorLatents(k.squeeze(1), v.squeeze(1),
+                                 torch.arange(k.shape[-2], device=device)[None], cached=True)
         if position_ids is None:
-            position_ids = torch.arange(cache.seen, cache.seen + T, device=x.device)[None]
-        S = cache.update_latent(hk, hv, position_ids, self.layer_idx)
-        if T == 1 and self._kernels_may_run():
-            from .kernel_backend import can_use_kernel, kernel_decode
-            if can_use_kernel(self, x, None, cache.bits) is None:
-                keys, values = cache.kernel_latents(self.layer_idx, S)
-                out = kernel_decode(self, x, q, keys, values, lengths=cache.lengths,
-                                    position_offset=cache.offsets)
-                if out is not None:
-                    return out, None, None, None, None
-        hk_all, hv_all = cache.latents(self.layer_idx, S, x.dtype)
-        kpos = torch.arange(S, device=x.device)[None]
-        if T == 1:   # slots past the row's length hold stale or no tokens
-            mask = (kpos < cache.lengths[:, None].to(kpos.dtype))[:, None, None, :]
-        else:
-            mask = self._mask(attention_mask, T, S, x.device)
-        return None, hk_all, hv_all, kpos, mask
+            position_ids = torch.arange(T, device=device)[None]
+        return TensorLatents(hk, hv, position_ids, cached=False)
 
     def _sdpa_scale(self) -> float:
         return 1.0 if self.query_scaled else self.scaling
@@ -248,31 +224,6 @@ class PaluAttention(nn.Module):
             q = q * self.scaling
         return q.view(B, T, self.geom.num_heads, -1).transpose(1, 2)
 
-    def _cache(self, hk, hv, cache, position_ids, T, device):
-        if position_ids is None:
-            past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
-            position_ids = torch.arange(past, past + T, device=device)[None]
-        if isinstance(cache, LatentCache):
-            return cache.update_latent(hk, hv, position_ids, self.layer_idx,
-                                       ranks=(self.ranks_k, self.ranks_v), dequantize=False)
-        if cache is not None:  # any other Cache stores the latents as one pseudo-head
-            k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
-            S = k.shape[-2]
-            return k.squeeze(1), v.squeeze(1), torch.arange(S, device=device)[None]
-        return hk, hv, position_ids
-
     def _rope_for(self, positions, x):
         cos, sin = self._rotary[0](x, positions.long())
         return cos, sin
-
-    @staticmethod
-    def _mask(attention_mask, T, S, device):
-        if attention_mask is not None:
-            return attention_mask[..., :S]
-        if S == T or T == 1:
-            # plain causal without a cache: SDPA's is_causal (its fast kernels); one query token
-            # sees every cached token: no mask (a tensor here cost the kernel path a host sync)
-            return None
-        # No mask given but a cache: causal, with the cached tokens all visible.
-        t = torch.arange(T, device=device)[:, None] + (S - T)
-        return torch.arange(S, device=device)[None, :] <= t

@@ -2,8 +2,8 @@
 
 `LatentCache` grows its buffers and decides things on the host as tokens arrive (buffer room,
 position contiguity), so every decode step runs eagerly: at 7B shapes a Palu layer costs ~1.5 ms
-of Python per token (kernels/NOTES.md, session 8). `GraphLatentCache` allocates `max_tokens`
-slots per layer once, in the kernels' layout (`kernels/layout.py`: [batch, groups, tokens, rank],
+of Python per token (benchmarks/NOTES.md, session 8). `GraphLatentCache` allocates `max_tokens`
+slots per layer once, in the kernels' layout (`palu_kernels/layout.py`: [batch, groups, tokens, rank],
 packed along the rank when quantised), and writes token i at slot i with device-side indices
 (`position_ids`). Nothing it does in a one-token step reads a device value on the host, so
 `palu.generation.GraphDecoder` captures the whole model step as one CUDA graph and replays it.
@@ -20,14 +20,15 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
-from .static_latent import _buffer, _nbytes, _slice
+from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
+from .protocol import causal_mask
+from .slots import slot_buffer, slot_nbytes, slot_range
 
 
 def palu_layers(model) -> dict:
-    """{layer index: PaluAttention} of a model with Palu installed (an error if none is)."""
-    from ..attention.palu_attention import PaluAttention
-    found = {m.layer_idx: m for m in model.modules() if isinstance(m, PaluAttention)}
+    """{layer index: Palu attention module} of a model with Palu installed (an error if none
+    is). Modules are found by their `stores_latents` mark, so no attention class is imported."""
+    found = {m.layer_idx: m for m in model.modules() if getattr(m, "stores_latents", False)}
     if not found:
         raise ValueError("the model has no Palu attention: install it first (palu.compress, "
                          "palu.load_compressed or palu.install_palu)")
@@ -51,8 +52,8 @@ class GraphLatentLayer(CacheLayerMixin):
         super().__init__()
         self.cache, self.groups = cache, groups
         B, n, bits = cache.batch, cache.max_tokens, cache.bits or 16
-        self.keys = _buffer(B, groups, n, rank_k, bits, device, dtype)
-        self.values = _buffer(B, groups, n, rank_v, bits, device, dtype)
+        self.keys = slot_buffer(B, groups, n, rank_k, bits, device, dtype)
+        self.values = slot_buffer(B, groups, n, rank_v, bits, device, dtype)
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
 
     def lazy_initialization(self, key_states, value_states) -> None:   # allocated up front
@@ -85,7 +86,7 @@ class GraphLatentLayer(CacheLayerMixin):
             if not isinstance(buf, QuantLatent):
                 buf.index_copy_(2, slots, h.to(buf.dtype))
             elif h.device.type == "cuda" or _interpreting():
-                from kernels.quantize import quantize_into   # imports triton: only where it runs
+                from palu_kernels.quantize import quantize_into   # imports triton: only where it runs
                 quantize_into(h, buf, slots[:1])
             else:   # CPU without the interpreter: torch quantisation, same bytes
                 q = quantize_latent(h, buf.bits)
@@ -94,7 +95,38 @@ class GraphLatentLayer(CacheLayerMixin):
 
     def view(self, tokens: int):
         """The first `tokens` slots of keys and values (views, no copy)."""
-        return _slice(self.keys, 0, tokens), _slice(self.values, 0, tokens)
+        return slot_range(self.keys, 0, tokens), slot_range(self.values, 0, tokens)
+
+
+class _StoredSlots:
+    """A GraphLatentCache layer after a step stored its latents (`StoredLatents`): `S` slots,
+    masked by the cache's device-side lengths, so nothing reads a device value on the host."""
+
+    def __init__(self, cache: "GraphLatentCache", layer_idx: int, S: int, T: int, device):
+        self.cache, self.layer_idx, self.S, self.T = cache, layer_idx, S, T
+        self.bits = cache.bits
+        self._positions = torch.arange(S, device=device)[None]
+
+    @property
+    def positions(self):
+        return self._positions
+
+    def mask(self, attention_mask, T: int):
+        if T == 1:   # slots past the row's length hold stale or no tokens
+            return (self._positions < self.cache.lengths[:, None].to(self._positions.dtype))[:, None, None, :]
+        return causal_mask(attention_mask, T, self.S, self._positions.device)
+
+    def kernel_mask(self, attention_mask, T: int):
+        return None   # the kernels mask by `lengths` themselves
+
+    def latents(self, dtype):
+        return self.cache.latents(self.layer_idx, self.S, dtype)
+
+    def kernel_latents(self, groups: int):
+        return self.cache.kernel_latents(self.layer_idx, self.S)
+
+    def kernel_positions(self) -> dict:
+        return {"lengths": self.cache.lengths, "position_offset": self.cache.offsets}
 
 
 class GraphLatentCache(Cache):
@@ -156,6 +188,14 @@ class GraphLatentCache(Cache):
             self.seen = tokens
         return tokens
 
+    def store_latents(self, layer_idx: int, hk, hv, positions, ranks=None) -> _StoredSlots:
+        """The `LatentStore` protocol (token i at slot i; positions None continue after `seen`)."""
+        T = hk.shape[1]
+        if positions is None:
+            positions = torch.arange(self.seen, self.seen + T, device=hk.device)[None]
+        S = self.update_latent(hk, hv, positions, layer_idx)
+        return _StoredSlots(self, layer_idx, S, T, hk.device)
+
     def _check_positions(self, positions: torch.Tensor, T: int) -> None:
         """Eager steps only (a host sync): slots seen .. seen+T-1 in every row."""
         if self.seen + T > self.max_tokens:
@@ -187,4 +227,4 @@ class GraphLatentCache(Cache):
 
     def nbytes(self) -> int:
         """Bytes of every layer's slots (packed data, scales and zero points included)."""
-        return sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in self.layers)
+        return sum(slot_nbytes(layer.keys) + slot_nbytes(layer.values) for layer in self.layers)

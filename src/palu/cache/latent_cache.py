@@ -6,7 +6,7 @@ groups side by side (groups may have different ranks) — plus the token positio
 RoPE needs when keys are rebuilt.
 
 `LatentCache(model, bits=4)` (or 2, 8) stores the latents quantised per token and group in the
-packed layout of `kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
+packed layout of `palu_kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
 decode kernels read it as it is; the torch path gets the dequantised latents.
 
@@ -22,7 +22,9 @@ import itertools
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kernels.layout import SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent, quantize_latent
+from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent, quantize_latent
+
+from .protocol import causal_mask
 
 
 def _use_quantize_kernel(h: torch.Tensor) -> bool:
@@ -102,11 +104,11 @@ class LatentLayer(DynamicLayer):
     def _store_packed(self, h: torch.Tensor, ranks: list[int], data: str, sz: str) -> None:
         """Quantise latents h (B, n, sum ranks) per token and group and append them. On a GPU,
         with equal group ranks, one kernel launch writes straight into the buffers
-        (`kernels.quantize`, bit-identical to the torch path's ~20 small kernels per group)."""
+        (`palu_kernels.quantize`, bit-identical to the torch path's ~20 small kernels per group)."""
         B, n, _ = h.shape
         G, per = len(ranks), 8 // self.bits
         if _use_quantize_kernel(h) and len(set(ranks)) == 1:
-            from kernels.quantize import quantize_into   # imports triton: only where it runs
+            from palu_kernels.quantize import quantize_into   # imports triton: only where it runs
             packed = self._extend(data, getattr(self, data), (B, 1, n, sum(ranks) // per), 2,
                                   torch.uint8, h.device)
             pairs = self._extend(sz, getattr(self, sz), (B, n, G, 2), 1, torch.float16, h.device)
@@ -219,6 +221,35 @@ class LatentLayer(DynamicLayer):
                 "reserved": sum(held(n) for n in ("keys", "values", "key_sz", "value_sz", "positions"))}
 
 
+class _StoredLatentLayer:
+    """A LatentLayer after a step stored its latents (the `StoredLatents` protocol)."""
+
+    def __init__(self, layer: LatentLayer, hk, hv, positions):
+        self.layer, self.hk, self.hv, self._positions = layer, hk, hv, positions
+        self.bits = layer.bits
+
+    @property
+    def positions(self):
+        return self._positions
+
+    def mask(self, attention_mask, T: int):
+        return causal_mask(attention_mask, T, self._positions.shape[-1], self._positions.device)
+
+    kernel_mask = mask
+
+    def latents(self, dtype):
+        # packed latents are dequantised only when the torch path runs
+        return (self.hk, self.hv) if self.hk is not None else self.layer.latents(dtype)
+
+    def kernel_latents(self, groups: int):
+        if self.bits:
+            return self.layer.packed_groups(groups)
+        return tuple(as_groups(h.unsqueeze(1), groups) for h in (self.hk, self.hv))
+
+    def kernel_positions(self) -> dict:
+        return {"kpos": self._positions, "contiguous": self.layer.contiguous}
+
+
 class LatentCache(Cache):
     """One LatentLayer per decoder layer of `model` (or `num_layers`); `bits` in (2, 4, 8)
     stores the latents quantised (per token and group, packed), None keeps them as computed."""
@@ -234,6 +265,16 @@ class LatentCache(Cache):
     def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):
         return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize,
                                                     memo=self._contiguity_memo)
+
+    def store_latents(self, layer_idx: int, hk, hv, positions, ranks) -> _StoredLatentLayer:
+        """The `LatentStore` protocol: append (B, T, R) latents; positions None continue the
+        layer's sequence. A packed cache returns no dequantised latents until asked for."""
+        if positions is None:
+            past = self.get_seq_length(layer_idx)
+            positions = torch.arange(past, past + hk.shape[1], device=hk.device)[None]
+        hk_all, hv_all, kpos = self.update_latent(hk, hv, positions, layer_idx, ranks=ranks,
+                                                  dequantize=False)
+        return _StoredLatentLayer(self.layers[layer_idx], hk_all, hv_all, kpos)
 
     def nbytes(self) -> dict:
         """Bytes of the stored tokens: latents (packed in quantised mode), their scales and zero

@@ -3,38 +3,27 @@ from __future__ import annotations
 
 import time
 
-import hydra
 from safetensors.torch import load_file
 
 from ..compress import build_manifest
-from ..config import to_dict, validate
+from ..config import to_dict
 from ..decompose.checkpoint import save_compressed
 from ..decompose.factors import decompose_model
 from ..io import read_json
 from ..models.loading import load_model
 from ..pipeline import naming
-from .calibrate import calibration_tag
-from .common import CONF_DIR, log, model_path
-from .fisher import fisher_tag
-from .ranks import ranks_file
-
-
-def checkpoint_path(cfg) -> str:
-    p = cfg.palu
-    tag = naming.palu_tag(p.decomposition, p.rank_method, p.kept_ratio, p.group_size)
-    return str(naming.checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag(cfg),
-                                                fisher_tag(cfg), tag, p.rank_multiple,
-                                                p.rank_method))
+from .common import entry_point, log, model_path
 
 
 def run(cfg) -> str:
     p = cfg.palu
-    allocation = read_json(ranks_file(cfg))
+    ranks = naming.ranks_path_of(cfg)
+    allocation = read_json(ranks)
     if allocation.get("group_size") != p.group_size or allocation.get("method") != p.rank_method:
-        raise ValueError(f"rank file {ranks_file(cfg)} does not match palu.group_size / rank_method")
+        raise ValueError(f"rank file {ranks} does not match palu.group_size / rank_method")
     grams = None
     if p.decomposition == "whitened":
-        gpath = naming.gram_path(cfg.paths.work, cfg.model.name, calibration_tag(cfg))
+        gpath = naming.gram_path_of(cfg)
         if not gpath.is_file():
             raise FileNotFoundError(f"whitened SVD needs the Gram matrices at {gpath}; "
                                     "run `python -m palu.cli.calibrate` first")
@@ -48,16 +37,13 @@ def run(cfg) -> str:
                 "fisher_samples": cfg.fisher.samples if p.rank_method != "uniform" else 0,
                 "decompose_seconds": time.perf_counter() - start}
     manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings)
-    out = cfg.out or checkpoint_path(cfg)
+    out = cfg.out or str(naming.checkpoint_dir_of(cfg))
     save_compressed(out, factors, manifest)
     log.info("%s: kept %.4f -> %s", manifest["tag"], allocation["kept_ratio_realised"], out)
     return out
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg) -> None:
-    run(validate(cfg))
-
+main = entry_point(run)
 
 if __name__ == "__main__":
     main()

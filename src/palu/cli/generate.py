@@ -1,48 +1,47 @@
-"""Step `generate`: sample text from a Palu checkpoint and measure the cache of a long prefill.
+"""Step `generate`: greedy text through a method's cache, and the cache bytes of a long prefill.
 
-Writes a JSON (text, measured cache bytes for FP and latent caches at `context` tokens) and a
-Markdown table next to it.
+Writes a JSON (text, measured cache bytes of the method's cache and of the ordinary FP cache at
+`generate.context` tokens) and a Markdown table next to it.
 """
 from __future__ import annotations
 
-import hydra
 import torch
 
-from ..bench.cache_memory import cache_bytes, fp16_equivalent
-from ..config import validate
+from ..cache.memory import fp16_equivalent, prefill_nbytes
+from ..config import method_of
 from ..data.corpora import load_corpus
 from ..data.windows import tokenize
-from ..decompose.checkpoint import load_compressed
 from ..io import write_json, write_text
+from ..methods import build_method
 from ..models.loading import load_model
-from .common import CONF_DIR, log, model_path, record
+from .common import entry_point, log, model_path, record
 
 
-def run(cfg, context: int, prompt: str, new_tokens: int) -> dict:
+def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
     path = model_path(cfg)
+    method, full = method_of(cfg), build_method({"name": "fp16"})
     base, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
     model, _ = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
-    manifest = load_compressed(model, cfg.checkpoint)
-    ids = tokenize(tok, load_corpus(cfg.data.corpus).evaluation_text)[:context][None]
+    method.install(model)
+    ids = tokenize(tok, load_corpus(cfg.data.corpus).evaluation_text)[:context][None].to(cfg.device)
     if ids.shape[1] < context:
         raise ValueError(f"corpus {cfg.data.corpus!r} has fewer than context={context} tokens")
     elem = next(base.parameters()).element_size()
-    dense, latent = cache_bytes(base, ids, latent=False), cache_bytes(model, ids, latent=True)
-    prompt_ids = tok(prompt, return_tensors="pt").input_ids
-    from ..cache.latent_cache import LatentCache
+    dense, stored = prefill_nbytes(base, full, ids), prefill_nbytes(model, method, ids)
+    prompt_ids = tok(prompt, return_tensors="pt").input_ids.to(cfg.device)
     with torch.no_grad():
         out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
-                             past_key_values=LatentCache(model))
+                             past_key_values=method.make_cache(model))
         ref = base.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False)
-    result = {"method": manifest["tag"], "context": context, "dtype": cfg.model.dtype,
-              "dense_cache_bytes": dense["total"], "latent_cache_bytes": latent["total"],
-              "latent_positions_bytes": latent["positions"],
+    result = {"method": method.tag, "context": context, "dtype": cfg.model.dtype,
+              "dense_cache_bytes": dense["total"], "latent_cache_bytes": stored["total"],
+              "latent_positions_bytes": stored["metadata"],
               "dense_cache_bytes_fp16": fp16_equivalent(dense, elem),
-              "latent_cache_bytes_fp16": fp16_equivalent(latent, elem),
-              "measured_ratio": latent["total"] / dense["total"], "prompt": prompt,
+              "latent_cache_bytes_fp16": fp16_equivalent(stored, elem),
+              "measured_ratio": stored["total"] / dense["total"], "prompt": prompt,
               "palu_text": tok.decode(out[0, prompt_ids.shape[1]:]),
               "fp16_text": tok.decode(ref[0, prompt_ids.shape[1]:])}
-    return {**record(cfg), "result": result, "manifest_summary": manifest["summary"]}
+    return {**record(cfg), "result": result, "manifest_summary": method.summary()}
 
 
 def markdown(r: dict) -> str:
@@ -58,18 +57,17 @@ def markdown(r: dict) -> str:
             f"- FP model: {r['fp16_text']!r}\n- {r['method']}: {r['palu_text']!r}\n")
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg) -> None:
-    cfg = validate(cfg)
-    if cfg.method != "palu":
-        raise ValueError("generate needs method=palu checkpoint=<compressed checkpoint>")
+def run(cfg) -> dict:
     out = cfg.out or f"{cfg.paths.results}/tables/cache_memory.json"
-    payload = run(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
+    payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
     write_json(out, payload)
     write_text(out.removesuffix(".json") + ".md", markdown(payload["result"]))
     log.info("cache %d -> %d bytes; wrote %s", payload["result"]["dense_cache_bytes"],
              payload["result"]["latent_cache_bytes"], out)
+    return payload
 
+
+main = entry_point(run)
 
 if __name__ == "__main__":
     main()

@@ -1,12 +1,9 @@
 """Step `resources`: materialise the model as a fast-loading folder in the work folder."""
 from __future__ import annotations
 
-import hydra
-
-from ..config import validate
 from ..models.loading import prepare_model, resolve_source
 from ..pipeline import naming
-from .common import CONF_DIR, log
+from .common import entry_point, log
 
 
 def run(cfg) -> str:
@@ -17,10 +14,7 @@ def run(cfg) -> str:
     return out
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg) -> None:
-    run(validate(cfg))
-
+main = entry_point(run)
 
 if __name__ == "__main__":
     main()

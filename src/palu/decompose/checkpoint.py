@@ -19,6 +19,13 @@ from .factors import LayerFactors
 FORMAT_VERSION = 1
 
 
+def checkpoint_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str) -> str:
+    """A checkpoint's name from the settings that make it (`kept_ratio` may be a Snakemake
+    wildcard string, passed through as written)."""
+    kept = kept_ratio if isinstance(kept_ratio, str) else f"{float(kept_ratio):g}"
+    return f"palu-{decomposition}-{rank_method}-k{kept}-g{group_size}"
+
+
 class CheckpointError(ValueError):
     """A compressed checkpoint is missing, corrupt, or belongs to another model."""
 

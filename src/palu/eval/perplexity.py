@@ -1,8 +1,9 @@
-"""Perplexity over non-overlapping windows (the GPTQ / Palu protocol)."""
+"""Perplexity over non-overlapping windows (the GPTQ / Palu protocol), through a method's cache."""
 from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +11,15 @@ from tqdm.auto import tqdm
 
 
 @torch.no_grad()
-def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> dict:
+def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
+               make_cache: Callable[[], object] | None = None) -> dict:
     """exp(mean next-token NLL) over all windows; each window is scored independently.
 
+    `make_cache`: a fresh cache per window (a method's `make_cache`). The window then runs as one
+    prefill into that cache, so every query attends to exactly what the cache stores for the
+    tokens before it (Palu: its latents, quantised when the cache quantises them). A one-pass
+    evaluation therefore equals feeding the tokens one at a time through the same cache
+    (tests/unit/test_method_perplexity.py). None: no cache (`use_cache=False`).
     Returns ppl, total nll, scored token count and wall time, so results can be re-aggregated.
     """
     device = next(model.parameters()).device
@@ -20,9 +27,15 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     batches = windows.split(batch_size)
     for batch in tqdm(batches, desc="perplexity", unit="win", disable=not progress, leave=False):
         batch = batch.to(device)
-        logits = model(input_ids=batch, use_cache=False).logits  # (B, T, V)
+        if make_cache is None:
+            logits = model(input_ids=batch, use_cache=False).logits             # (B, T, V)
+        else:
+            logits = model(input_ids=batch, past_key_values=make_cache(), use_cache=True).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
                                reduction="sum")
+        if not math.isfinite(loss.item()):
+            raise FloatingPointError(f"non-finite loss ({loss.item()}) in a perplexity window: "
+                                     "the model or its cache produced NaN/inf")
         nll += loss.item()
         count += batch[:, 1:].numel()
     mean = nll / count

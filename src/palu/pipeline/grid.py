@@ -1,7 +1,8 @@
 """The experiment grid (conf/grid/*.yaml): which runs each table needs, and their Hydra overrides.
 
 The Snakefile only expands what this module returns, so a Python user can enumerate the same
-runs without Snakemake.
+runs without Snakemake. A run is a KV-cache method (conf/method/) evaluated on the grid's
+corpora; its results live at `naming.metrics_path(..., run.tag, ...)`.
 """
 from __future__ import annotations
 
@@ -11,23 +12,27 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
+from ..config import CONF_DIR
 from . import naming
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
-         "granularity", "rank_search", "rank_figure", "memory"}
+         "device", "granularity", "rank_search", "latent_bits", "rank_figure", "memory"}
+TABLES = ("baseline", "granularity", "rank_search", "latent_bits")
 
 
 @dataclass(frozen=True)
 class PaluSpec:
+    """One Palu run: how its checkpoint is made, and the bit width its cache stores latents at."""
     decomposition: str
     rank_method: str
     kept_ratio: float
     group_size: int
+    bits: int = 16
 
     @property
     def tag(self) -> str:
-        return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio, self.group_size)
+        return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
+                               self.group_size, self.bits)
 
     def overrides(self) -> list[str]:
         return [f"palu.decomposition={self.decomposition}", f"palu.rank_method={self.rank_method}",
@@ -42,6 +47,7 @@ class Grid:
         self.c = config
         self.model = config["model"]
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
+        self.device = config.get("device", "cpu")
         cal, fis = config["calibration"], config["fisher"]
         self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"])
         self.ftag = naming.fisher_tag(fis["samples"], fis["seqlen"], fis["seed"])
@@ -55,7 +61,7 @@ class Grid:
         from ..models.adapters import geometry_of
         from ..models.loading import load_config
         model_id = naming.model_source(self.work, self.model,
-                                       OmegaConf.load(CONF / "model" / f"{self.model}.yaml").id)
+                                       OmegaConf.load(Path(CONF_DIR) / "model" / f"{self.model}.yaml").id)
         return geometry_of(load_config(model_id)).num_kv_heads
 
     def group_sizes(self, value) -> list[int]:
@@ -67,6 +73,7 @@ class Grid:
     def common_overrides(self) -> list[str]:
         cal, fis = self.c["calibration"], self.c["fisher"]
         return [f"model={self.model}", f"tracking={self.c.get('tracking', 'offline')}",
+                f"device={self.device}",
                 f"paths.work={self.work}", f"paths.results={self.results}",
                 f"calibration.corpus={cal['corpus']}", f"calibration.samples={cal['samples']}",
                 f"calibration.seqlen={cal['seqlen']}", f"calibration.seed={cal['seed']}",
@@ -84,6 +91,18 @@ class Grid:
         return [PaluSpec(r["decomposition"], m, float(k), int(r["group_size"]))
                 for k in r["kept_ratios"] for m in r["methods"]]
 
+    def latent_bits_specs(self) -> list[PaluSpec]:
+        q = self.c.get("latent_bits")
+        if not q:
+            return []
+        # `kv_heads`: one group of all KV heads (J-LRD), whatever the model's head count
+        group = self.kv_heads() if q["group_size"] == "kv_heads" else int(q["group_size"])
+        return [PaluSpec(q["decomposition"], q["rank_method"], float(q["kept_ratio"]), group, int(b))
+                for b in q["bits"]]
+
+    def tables(self) -> list[str]:
+        return [t for t in TABLES if t != "latent_bits" or self.c.get("latent_bits")]
+
     def figure_spec(self) -> PaluSpec:
         f = self.c["rank_figure"]
         return PaluSpec("whitened", f["rank_method"], float(f["kept_ratio"]), int(f["group_size"]))
@@ -92,13 +111,19 @@ class Grid:
         m = self.c["memory"]
         return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
 
-    def memory_wildcards(self):
-        """The memory run's checkpoint in the Snakefile's wildcard vocabulary."""
-        from types import SimpleNamespace
-        s = self.memory_spec()
-        return SimpleNamespace(decomp=s.decomposition, method=s.rank_method,
-                               kept=naming.fmt_ratio(s.kept_ratio), group=str(s.group_size))
+    def specs(self, table: str) -> list[PaluSpec]:
+        return {"baseline": [], "granularity": self.granularity_specs(),
+                "rank_search": self.rank_search_specs(),
+                "latent_bits": self.latent_bits_specs()}[table]
 
+    def runs(self) -> dict[str, PaluSpec | None]:
+        """Every method run of the grid by its tag (None: the FP16 baseline)."""
+        out: dict[str, PaluSpec | None] = {"fp16": None}
+        for table in self.tables():
+            out.update({s.tag: s for s in self.specs(table)})
+        return out
+
+    # ---- paths ---------------------------------------------------------------------------------
     def metrics(self, method_tag: str) -> list[str]:
         ev = self.c["eval"]
         return [str(naming.metrics_path(self.results, self.model, method_tag, corpus, ev["seqlen"],
@@ -106,13 +131,41 @@ class Grid:
                 for corpus in ev["corpora"]]
 
     def table_inputs(self, table: str) -> list[str]:
-        specs = {"baseline": [], "granularity": self.granularity_specs(),
-                 "rank_search": self.rank_search_specs()}[table]
         paths = self.metrics("fp16")
-        for spec in specs:
+        for spec in self.specs(table):
             paths += self.metrics(spec.tag)
         return paths
 
     def ranks_file(self, spec: PaluSpec) -> str:
         return str(naming.ranks_path(self.work, self.model, self.ctag, self.ftag, spec.rank_method,
                                      spec.kept_ratio, spec.group_size, self.c["rank_multiple"]))
+
+    def checkpoint(self, spec: PaluSpec) -> str:
+        tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size)
+        return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, tag,
+                                         self.c["rank_multiple"], spec.rank_method))
+
+    def prepared_model(self) -> str:
+        return str(naming.prepared_model_dir(self.work, self.model))
+
+    # ---- what a run needs ----------------------------------------------------------------------
+    def run_inputs(self, tag: str) -> list[str]:
+        spec = self._run(tag)
+        return [self.prepared_model()] + ([] if spec is None else [self.checkpoint(spec)])
+
+    def run_overrides(self, tag: str) -> str:
+        """The Hydra overrides that select run `tag`'s method (and its palu.* settings)."""
+        spec = self._run(tag)
+        if spec is None:
+            return "method=fp16"
+        return " ".join(spec.overrides() + ["method=palu", f"method.checkpoint={self.checkpoint(spec)}",
+                                            f"method.bits={spec.bits}"])
+
+    def _run(self, tag: str) -> PaluSpec | None:
+        runs = self.runs()
+        if tag not in runs:
+            raise ValueError(f"run {tag!r} is not in the grid; its runs: {sorted(runs)}")
+        return runs[tag]
+
+    def decompose_overrides(self, spec: PaluSpec) -> str:
+        return " ".join(spec.overrides())

@@ -9,7 +9,7 @@ from ..io import read_json, write_text
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
-           "calibration_samples", "calibration_seqlen", "fisher_samples", "dtype", "ppl"]
+           "calibration_samples", "calibration_seqlen", "fisher_samples", "kv_bits", "dtype", "ppl"]
 
 
 def granularity_name(group_size, num_kv_heads) -> str:
@@ -23,7 +23,7 @@ def granularity_name(group_size, num_kv_heads) -> str:
 def run_row(path: str | Path) -> dict:
     run = read_json(path)
     m = run["metrics"]
-    manifest = run.get("manifest") or {}
+    manifest = (run.get("method") or {}).get("manifest") or {}
     kv_heads = None
     if manifest:
         ranks = manifest["allocation"]["ranks"]
@@ -42,7 +42,7 @@ def run_row(path: str | Path) -> dict:
         "calibration_samples": settings.get("calibration_samples", 0),
         "calibration_seqlen": settings.get("calibration_seqlen", 0),
         "fisher_samples": settings.get("fisher_samples", 0),
-        "dtype": m.get("dtype"), "ppl": m["ppl"],
+        "kv_bits": m.get("kv_bits", 16), "dtype": m.get("dtype"), "ppl": m["ppl"],
     }
 
 

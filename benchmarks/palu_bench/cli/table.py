@@ -1,0 +1,52 @@
+"""Entry point `table`: the GPU tables and figures from committed benchmark JSON (any machine).
+
+    python -m palu_bench.cli.table table=latency 'inputs=[results/latency/h200-llama2-7b.json]' \\
+        out=results/tables/latency figure=results/figures/latency_speedup.png
+`table=latency` reads results/latency/*.json, `table=decode` results/decode/*.json; both write
+`<out>.csv`, `<out>.md` and the figure. Only the JSON is read: nothing here needs a GPU.
+"""
+from __future__ import annotations
+
+import hydra
+
+from palu.io import read_json, write_text
+
+from .common import CONF_DIR, log
+
+
+def latency_outputs(inputs: list[str], prefix: str, figure: str) -> None:
+    from ..report.latency import latency_frame, latency_markdown, speedup_figure
+    frame = latency_frame(inputs)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", latency_markdown(frame, read_json(inputs[0])["ceilings"]))
+    speedup_figure(frame, figure)
+
+
+def decode_outputs(inputs: list[str], prefix: str, figure: str) -> None:
+    from ..report.decode import decode_frame, decode_markdown, memory_figure
+    frame, meta = decode_frame(inputs)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", decode_markdown(frame, meta))
+    memory_figure(frame, figure)
+
+
+TABLES = {"latency": latency_outputs, "decode": decode_outputs}
+
+
+def run(cfg) -> None:
+    if cfg.table not in TABLES:
+        raise ValueError(f"table={cfg.table!r} is not one of {sorted(TABLES)}")
+    inputs = list(cfg.inputs)
+    if not inputs:
+        raise ValueError(f"table={cfg.table}: no input JSON given")
+    TABLES[cfg.table](inputs, cfg.out, cfg.figure)
+    log.info("%s table from %d files -> %s.{csv,md}, %s", cfg.table, len(inputs), cfg.out, cfg.figure)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="table", version_base="1.3")
+def main(cfg) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Decode-attention latency on a GPU: torch SDPA / eager vs Palu latent kernels (and an int4 cache).
+
+Every row carries bytes moved, FLOPs, achieved TB/s and TFLOP/s and the roofline floor
+max(bytes / measured bandwidth, FLOPs / measured matmul rate). Run `python -m palu_bench.latency`
+on a GPU host (it needs only torch, triton and PyYAML) or the Hydra entry point palu_bench.cli.latency.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CONF = Path(__file__).resolve().parent / "conf" / "bench" / "latency.yaml"
+
+
+def _bench(fn, warmup_ms: float, rep_ms: float, graph: bool = True) -> float:
+    """Median seconds per call. Decode steps are CUDA-graph replays (as a serving stack runs
+    them), so Python launch overhead is not what is measured."""
+    import triton.testing
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e-3
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+
+
+def measure_ceilings(warmup_ms=10, rep_ms=50) -> dict:
+    """Device-to-device copy bandwidth (read + write bytes) and fp16 matmul rate, measured."""
+    n = 2 ** 30  # 2 GiB of fp16 read, 2 GiB written
+    src = torch.randn(n, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    t = _bench(lambda: dst.copy_(src), warmup_ms, rep_ms, graph=False)
+    bw = 2 * n * 2 / t
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    t = _bench(lambda: a @ b, warmup_ms, rep_ms, graph=False)
+    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * 8192 ** 3 / t}
+
+
+def _rope_inv_freq(head_dim, theta, device):
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+
+
+def _latent_bytes(B, G, T, r, bits):
+    if bits == 16:
+        return B * G * T * r * 2
+    return B * G * T * (r * bits // 8 + 4)  # packed data + fp16 scale + fp16 zero point
+
+
+def palu_case(shape, B, T, s, kept_k, kept_v, bits, rope, device="cuda", seed=0):
+    """Random latents / factors for one configuration, plus its byte and FLOP counts."""
+    from palu_kernels.layout import quantize_latent
+    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    G, n_rep = KVH // s, H // KVH
+    rk, rv = int(kept_k * s * D), int(kept_v * s * D)
+    g = torch.Generator(device=device).manual_seed(seed)
+    hk = torch.randn(B, G, T, rk, device=device, dtype=torch.float16, generator=g)
+    hv = torch.randn(B, G, T, rv, device=device, dtype=torch.float16, generator=g)
+    q = torch.randn(B, H, D if rope else rk, device=device, dtype=torch.float16, generator=g)
+    bk = (torch.randn(G, s * D, rk, device=device, dtype=torch.float16, generator=g)
+          / math.sqrt(rk)) if rope else None
+    if bits != 16:
+        hk, hv = quantize_latent(hk, bits), quantize_latent(hv, bits)
+    kw = dict(scale=1 / math.sqrt(D), n_rep=n_rep, group_size=s, bk=bk,
+              position_offset=torch.zeros(B, device=device, dtype=torch.int32),
+              inv_freq=_rope_inv_freq(D, shape["rope_theta"], device))
+    from palu_kernels.palu_decode import _fused_unfit
+    one_pass = _fused_unfit(rope, rk, rv, bits, bits, max(16, s * n_rep)) is None
+    nbytes = (_latent_bytes(B, G, T, rk, bits) + _latent_bytes(B, G, T, rv, bits)
+              + (0 if one_pass else 2 * B * H * T * 4)        # scores written and read back
+              + (bk.numel() * 2 if rope else 0))
+    flops = 2 * B * T * H * rv + (2 * B * T * (KVH * D * rk + H * D) if rope else 2 * B * T * H * rk)
+    return q, hk, hv, kw, {"rank_k": rk, "rank_v": rv, "groups": G, "bytes": nbytes, "flops": flops}
+
+
+def dense_case(shape, B, T, device="cuda", seed=0):
+    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(B, H, 1, D, device=device, dtype=torch.float16, generator=g)
+    k = torch.randn(B, KVH, T, D, device=device, dtype=torch.float16, generator=g)
+    v = torch.randn(B, KVH, T, D, device=device, dtype=torch.float16, generator=g)
+    return q, k, v, {"bytes": 2 * B * KVH * T * D * 2, "flops": 4 * B * H * T * D}
+
+
+def _eager(q, k, v):
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    p = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).float().softmax(-1).half()
+    return p @ v
+
+
+def _rel_err(fn, ref) -> float:
+    """Relative error of one kernel call against the float32 reference output."""
+    return ((fn() - ref).norm() / ref.norm()).item()
+
+
+def _row(name, shape_name, B, T, t, counts, ceil, **extra):
+    floor = max(counts["bytes"] / ceil["copy_bytes_per_s"], counts["flops"] / ceil["matmul_flops_per_s"])
+    return {"variant": name, "shape": shape_name, "batch": B, "length": T, "seconds": t,
+            "bytes": counts["bytes"], "flops": counts["flops"], "tb_per_s": counts["bytes"] / t / 1e12,
+            "tflop_per_s": counts["flops"] / t / 1e12, "roofline_floor_s": floor,
+            "roofline_fraction": floor / t, **extra}
+
+
+def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, sdpa, checks, split):
+    from palu_kernels.palu_decode import palu_decode
+    from palu_kernels.reference import latent_decode_reference
+    qi, hk, hv, kw, c = palu_case(shape, B, T, s, kk, kv, bits, rope)
+    if not rope:
+        kw["bk"] = None
+    params = tune_params(cfg.get("kernel") or {})   # palu_decode keywords
+    fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
+    if T == cfg["check_length"] and B == 1:
+        ref = latent_decode_reference(qi, hk, hv, **kw)
+        err = _rel_err(fn, ref)
+        checks.append({"shape": shape_name, "group": s, "bits": bits, "rope": rope, "split": split,
+                       "rel_err": err})
+    t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
+    return _row(name, shape_name, B, T, t, c, ceil, speedup=sdpa / t, group_size=s, bits=bits,
+                rope=rope, split=split, rank_k=c["rank_k"], rank_v=c["rank_v"])
+
+
+def tune_params(variant) -> dict:
+    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
+    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
+    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
+    if isinstance(variant, dict):
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
+    if len(variant) != 4:
+        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
+                         "nor a mapping of palu_decode keywords")
+    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
+
+
+def tune_plan(cfg) -> list[tuple[dict, list]]:
+    """(configuration, variants) per `tune` row: the row's own `variants`, else `tune_variants`.
+    Rows of shapes that this run does not time (one run per shape) are left to that shape's run."""
+    plan = []
+    for row in cfg.get("tune", []):
+        if row["shape"] not in cfg["shapes"]:
+            continue
+        case = {k: v for k, v in row.items() if k != "variants"}
+        plan.append((case, row.get("variants") or cfg.get("tune_variants") or [{}]))
+    return plan
+
+
+def tune(cfg, ceil, log) -> list[dict]:
+    """Time kernel launch parameters on a few representative configurations (kernel notes): each
+    `tune` row under every `tune_variants` entry, or under the row's own `variants`."""
+    from palu_kernels.palu_decode import palu_decode
+    from palu_kernels.reference import latent_decode_reference
+    out = []
+    for case, variants in tune_plan(cfg):
+        shape = cfg["shapes"][case["shape"]]
+        qi, hk, hv, kw, c = palu_case(shape, 1, case["length"], case["group"], case["kept"][0],
+                                      case["kept"][1], case["bits"], case["rope"])
+        if not case["rope"]:
+            kw["bk"] = None
+        # Every variant is checked against the float32 reference as well as timed: a faster
+        # variant that computes something else must not look like a win.
+        ref = latent_decode_reference(qi, hk, hv, **kw)
+        for v in variants:
+            params = tune_params(v)
+            fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
+            try:
+                err = _rel_err(fn, ref)
+                t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
+                row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
+                           rel_err=err)
+            except Exception as err:
+                row = {"variant": "tune", **case, "params": str(v), "error": str(err)[:200]}
+            log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us, "
+                f"rel. error {row.get('rel_err', float('nan')):.1e}")
+            out.append(row)
+        del qi, hk, hv, ref
+        torch.cuda.empty_cache()
+    return out
+
+
+def run(cfg: dict, out: str | None = None, log=print) -> dict:
+    from palu_kernels.palu_decode import palu_decode
+    if not torch.cuda.is_available():
+        raise RuntimeError("the latency benchmark needs a CUDA GPU (none visible here)")
+    import triton
+    ceil = measure_ceilings()
+    log(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    rows, checks = tune(cfg, ceil, log), []
+    w, r = cfg["warmup_ms"], cfg["rep_ms"]
+    points = [(1, T) for T in cfg["lengths"]] + [(b["batch"], b["length"]) for b in cfg["batches"]]
+    for shape_name, shape in cfg["shapes"].items():
+        groups = [shape["kv_heads"] if s == "all" else s for s in cfg["group_sizes"]]
+        groups = sorted({s for s in groups if shape["kv_heads"] % s == 0})
+        for B, T in points:
+            q, k, v, counts = dense_case(shape, B, T)
+            sdpa = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=True), w, r)
+            rows.append(_row("sdpa", shape_name, B, T, sdpa, counts, ceil))
+            if T <= 65536:
+                rows.append(_row("eager", shape_name, B, T, _bench(lambda: _eager(q, k, v), w, r),
+                                 counts, ceil))
+            del q, k, v
+            # int4 K/V through the non-RoPE latent kernel with identity factors (per-token groups).
+            qi, hk, hv, kw, c = palu_case(shape, B, T, 1, 1.0, 1.0, 4, rope=False)
+            t = _bench(lambda: palu_decode(qi, hk, hv, **{**kw, "bk": None}), w, r)
+            rows.append(_row("int4_kv", shape_name, B, T, t, c, ceil, speedup=sdpa / t))
+            for split_name, (kk, kv) in cfg["splits"].items():
+                for s in groups:
+                    for bits in cfg["bits"]:
+                        for rope in cfg["rope"]:
+                            if B > 1 and (bits == 2 or split_name != "uniform"):
+                                continue
+                            name = (f"palu-{'rope' if rope else 'norope'}-{split_name}-g{s}-"
+                                    f"{'fp16' if bits == 16 else f'int{bits}'}")
+                            try:
+                                rows.append(_palu_row(name, shape_name, shape, B, T, s, kk, kv, bits,
+                                                      rope, cfg, ceil, sdpa, checks, split_name))
+                            except Exception as err:  # a config the kernel cannot run: record it
+                                log(f"{name} {shape_name} T={T}: FAILED {type(err).__name__}: {err}")
+                                rows.append({"variant": name, "shape": shape_name, "batch": B,
+                                             "length": T, "error": f"{type(err).__name__}: {err}"[:300]})
+            log(f"{shape_name} B={B} T={T}: sdpa {sdpa * 1e6:.1f} us, best palu "
+                f"{min(x.get('seconds', 1) for x in rows if x['length'] == T and x['batch'] == B and x['shape'] == shape_name) * 1e6:.1f} us")
+            torch.cuda.empty_cache()
+    result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "checks": checks, "rows": rows,
+              "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                           "python": platform.python_version(), "cuda": torch.version.cuda},
+              "config": cfg, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if out:   # atomically: an interrupted run leaves no half-written results file
+        from palu.io import write_text
+        write_text(out, json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    import yaml
+    cfg = yaml.safe_load(CONF.read_text())
+    for arg in sys.argv[2:]:  # quick overrides: key=yaml-value
+        key, _, value = arg.partition("=")
+        cfg[key] = yaml.safe_load(value)
+    res = run(cfg, out=sys.argv[1] if len(sys.argv) > 1 else None)
+    bad = [c for c in res["checks"] if not c["rel_err"] < 5e-3]
+    print(f"{len(res['checks'])} correctness checks, {len(bad)} above 5e-3: {bad[:5]}")

@@ -1,0 +1,70 @@
+"""Latency table and speed-up figure from the GPU benchmark JSON files (results/latency/*.json)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from palu.io import atomic_path, read_json  # noqa: E402
+
+COLUMNS = ["device", "shape", "batch", "length", "variant", "rope", "split", "group_size", "bits",
+           "rank_k", "rank_v", "seconds", "speedup", "bytes", "flops", "tb_per_s", "tflop_per_s",
+           "roofline_floor_s", "roofline_fraction", "error"]
+
+
+def latency_frame(paths: list[str]) -> pd.DataFrame:
+    rows = []
+    for p in paths:
+        run = read_json(p)
+        for r in run["rows"]:
+            if r.get("variant") == "tune":
+                continue
+            rows.append({**r, "device": run["device"]})
+    if not rows:
+        raise ValueError(f"no latency rows in {paths}")
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
+    return frame.sort_values(["shape", "batch", "length", "variant"], kind="stable").reset_index(drop=True)
+
+
+def latency_markdown(frame: pd.DataFrame, ceilings: dict) -> str:
+    ok = frame[frame["error"].isna()].copy()
+    ok["us"] = ok["seconds"] * 1e6
+    head = ok[(ok["batch"] == 1)].pivot_table(index=["shape", "variant"], columns="length",
+                                               values="us", aggfunc="first")
+    fails = frame[frame["error"].notna()][["shape", "length", "variant", "error"]].drop_duplicates("variant")
+    return ("# Decode attention latency (µs, one query token, fp16)\n\n"
+            f"Device ceilings measured in the same run: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+            f"fp16 matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s. `speedup` is over torch "
+            "SDPA on the same GPU in the same run. `int4_kv` is a KIVI-like 4-bit K/V cache "
+            "(per-token groups, not KIVI's per-channel keys) through our latent kernel. Kernel "
+            "times are CUDA-graph replays; Palu rows are the attention core only (the fused o_proj "
+            "is not included). Full columns (bytes, FLOPs, TB/s, TFLOP/s, roofline) in latency.csv.\n\n"
+            f"{head.reset_index().to_markdown(index=False, floatfmt='.1f')}\n\n"
+            "## Configurations the kernel rejects\n\n"
+            f"{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
+
+
+def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
+    ok = frame[frame["error"].isna() & (frame["batch"] == 1) & frame["variant"].str.startswith("palu")]
+    shapes = sorted(ok["shape"].unique())
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        sub = ok[(ok["shape"] == shape) & (ok["split"] == "uniform")]
+        for (rope, bits), grp in sub.groupby(["rope", "bits"]):
+            best = grp.groupby("length")["speedup"].max()
+            ax.plot(best.index, best.values, marker="o",
+                    label=f"{'RoPE' if rope else 'no RoPE'}, {'fp16' if bits == 16 else f'int{int(bits)}'} latents")
+        ax.axhline(1.0, color="grey", ls="--", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("speed-up over torch SDPA (best group size)")
+        ax.set_title(f"{shape}: Palu-50% decode attention")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
+    plt.close(fig)

@@ -1,0 +1,87 @@
+"""What Palu attention needs from a cache that holds latents (both latent caches implement it).
+
+The attention module talks to this protocol, never to a cache class, so caches and attention
+import nothing of each other:
+
+    stored = cache.store_latents(layer_idx, hk, hv, position_ids, ranks)
+    if the kernels can serve the step: stored.kernel_latents(groups), stored.kernel_positions()
+    else (the torch path):             stored.latents(dtype), stored.positions, stored.mask(...)
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class StoredLatents(Protocol):
+    """One layer's latents after this step's were stored."""
+    bits: int | None          # packed width, None for latents in the model's dtype
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B or 1, S) positions of the cached tokens (RoPE rebuilds keys at them)."""
+
+    def mask(self, attention_mask, T: int):
+        """The torch path's attention mask over the S cached tokens (None: causal / all)."""
+
+    def kernel_mask(self, attention_mask, T: int):
+        """The mask the kernel eligibility check reads (never a device value to sync on while a
+        CUDA graph is captured)."""
+
+    def latents(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, S, R) in `dtype` (dequantised when packed)."""
+
+    def kernel_latents(self, groups: int):
+        """Keys and values in the kernels' layout ([B, G, S, r] or packed QuantLatents)."""
+
+    def kernel_positions(self) -> dict:
+        """The position keywords of `kernel_decode` (kpos / contiguous, or lengths / offsets)."""
+
+
+@runtime_checkable
+class LatentStore(Protocol):
+    def store_latents(self, layer_idx: int, hk: torch.Tensor, hv: torch.Tensor, positions,
+                      ranks: tuple[list[int], list[int]]) -> StoredLatents:
+        """Append latents (B, T, R) at `positions` ((B or 1, T), None: after what is cached)."""
+
+
+def causal_mask(attention_mask, T: int, S: int, device):
+    """The mask of T query tokens over S cached ones (the newest T are the queries)."""
+    if attention_mask is not None:
+        return attention_mask[..., :S]
+    if S == T or T == 1:
+        # plain causal without a cache: SDPA's is_causal (its fast kernels); one query token
+        # sees every cached token: no mask (a tensor here cost the kernel path a host sync)
+        return None
+    t = torch.arange(T, device=device)[:, None] + (S - T)
+    return torch.arange(S, device=device)[None, :] <= t
+
+
+class TensorLatents:
+    """Latents held as plain (B, S, R) tensors: a step without a latent cache, or one whose
+    latents an ordinary transformers Cache stored as a single pseudo-head."""
+
+    bits = None
+
+    def __init__(self, hk, hv, positions, cached: bool):
+        self.hk, self.hv, self._positions, self.cached = hk, hv, positions, cached
+
+    @property
+    def positions(self):
+        return self._positions
+
+    def mask(self, attention_mask, T: int):
+        return causal_mask(attention_mask, T, self.hk.shape[1], self.hk.device)
+
+    kernel_mask = mask
+
+    def latents(self, dtype):
+        return self.hk, self.hv
+
+    def kernel_latents(self, groups: int):
+        from palu_kernels.layout import as_groups
+        return tuple(as_groups(h.unsqueeze(1), groups) for h in (self.hk, self.hv))
+
+    def kernel_positions(self) -> dict:
+        return {"kpos": self._positions, "contiguous": None}

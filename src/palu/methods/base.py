@@ -1,0 +1,98 @@
+"""The contract every KV-cache method meets, and the registry that maps config names to classes.
+
+A method is one dataclass (its hyper-parameters are its fields) in one file of this package,
+plus one YAML in conf/method/. Evaluation, generation and the tables only use this contract:
+
+    method = build_method({"name": "palu", "checkpoint": "work/palu/...", "bits": 4})
+    method.install(model)              # change the model (Palu: factorised attention)
+    cache = method.make_cache(model)   # what the model attends through, one per sequence
+    model(ids, past_key_values=cache)  # perplexity sees exactly what the cache holds
+    method.cache_nbytes(cache)         # bytes as stored, metadata included
+    method.tag, method.summary()       # result names and table columns
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+REGISTRY: dict[str, type["CacheMethod"]] = {}
+
+
+class MethodError(ValueError):
+    """A method's config names an unknown method or field, or a bad value."""
+
+
+@dataclasses.dataclass
+class CacheMethod:
+    """Base of every method. Subclasses set `name`, add fields, and override what they change."""
+    name: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            if cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__:
+                raise MethodError(f"two methods are named {cls.name!r}: "
+                                  f"{REGISTRY[cls.name].__module__} and {cls.__module__}")
+            REGISTRY[cls.name] = cls
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise MethodError for a bad field value (called on construction, before any work)."""
+
+    @property
+    def tag(self) -> str:
+        """Names the method's results (a path component): every field that changes a number."""
+        raise NotImplementedError
+
+    def install(self, model) -> None:
+        """Change `model` in place for this method (default: nothing)."""
+
+    def make_cache(self, model):
+        """A fresh transformers Cache that stores what this method stores."""
+        raise NotImplementedError
+
+    def cache_nbytes(self, cache) -> dict:
+        """Bytes `cache` holds: {"data", "metadata", "total"} (metadata: scales, positions...)."""
+        raise NotImplementedError
+
+    def summary(self) -> dict:
+        """Columns for result tables (bits, kept ratio, ...); what is absent takes the table's
+        default (the unmodified model's value)."""
+        return {"kv_bits": 16}
+
+    def record(self) -> dict:
+        """What a result file stores about the method: its config and anything it loaded."""
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}
+
+
+def method_names() -> list[str]:
+    _discover()
+    return sorted(REGISTRY)
+
+
+def build_method(config: dict[str, Any]) -> CacheMethod:
+    """The method a config dict names ({"name": ..., field: value, ...})."""
+    _discover()
+    config = dict(config)
+    name = config.pop("name", None)
+    if name not in REGISTRY:
+        raise MethodError(f"method.name={name!r} is not one of {sorted(REGISTRY)}")
+    cls = REGISTRY[name]
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(config) - fields)
+    if unknown:
+        raise MethodError(f"method {name!r} has no field(s) {unknown}; its fields: {sorted(fields)}")
+    return cls(**config)
+
+
+def _discover() -> None:
+    """Import every module of this package once, so each method registers itself: adding a
+    method is one file here and one YAML in conf/method/, nothing else to edit."""
+    import importlib
+    import pkgutil
+
+    from .. import methods
+    for info in pkgutil.iter_modules(methods.__path__):
+        importlib.import_module(f"{methods.__name__}.{info.name}")

@@ -1,0 +1,64 @@
+"""Palu (Chang et al., ICLR 2025): K/V projections factorised offline; the cache holds the
+low-rank latents (optionally quantised per token and group), never the full keys and values.
+
+The factors come from a compressed checkpoint (`palu.compress(...).save(path)` or the pipeline's
+decompose step); `bits` 8 / 4 / 2 stores the latents packed with fp16 scales and zero points,
+exactly as `palu.LatentCache(model, bits=...)` does during generation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..cache.latent_cache import LatentCache
+from ..decompose.checkpoint import load_compressed, read_manifest
+from .base import CacheMethod, MethodError
+
+BITS = (16, 8, 4, 2)   # 16: latents kept in the model's dtype
+
+
+def bits_tag(bits: int) -> str:
+    """The suffix a latent bit width adds to a checkpoint's tag ('' for unquantised latents)."""
+    return "" if int(bits) == 16 else f"-b{bits}"
+
+
+@dataclass
+class Palu(CacheMethod):
+    name = "palu"
+    checkpoint: Optional[str] = None     # compressed checkpoint folder
+    bits: int = 16                       # latent storage: 16 (model dtype) or 8 / 4 / 2-bit
+    _manifest: dict = field(default=None, init=False, repr=False, compare=False)
+
+    def check(self) -> None:
+        if self.bits not in BITS:
+            raise MethodError(f"method.bits={self.bits!r} is not one of {list(BITS)}")
+        if not self.checkpoint:
+            raise MethodError("method=palu needs method.checkpoint=<compressed checkpoint folder>")
+
+    @property
+    def manifest(self) -> dict:
+        if self._manifest is None:
+            self._manifest = read_manifest(self.checkpoint)
+        return self._manifest
+
+    @property
+    def tag(self) -> str:
+        return self.manifest["tag"] + bits_tag(self.bits)
+
+    def install(self, model) -> None:
+        self._manifest = load_compressed(model, self.checkpoint)
+
+    def make_cache(self, model):
+        return LatentCache(model, bits=None if self.bits == 16 else self.bits)
+
+    def cache_nbytes(self, cache) -> dict:
+        n = cache.nbytes()
+        return {"data": n["latents"], "metadata": n["scales"] + n["positions"], "total": n["total"],
+                "packed": self.bits != 16}
+
+    def summary(self) -> dict:
+        return {**self.manifest["summary"], "kv_bits": self.bits}
+
+    def record(self) -> dict:
+        return {"name": self.name, "checkpoint": self.checkpoint, "bits": self.bits,
+                "manifest": self.manifest}

@@ -1,0 +1,60 @@
+"""Bad input through the entry points: a clear message, a non-zero exit, and no output file."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TEST_WORK
+
+pytestmark = pytest.mark.slow
+
+
+def _run(step, *overrides, tmp_path):
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", f"palu.cli.{step}", f"paths.work={TEST_WORK}", "tracking=disabled",
+           f"paths.results={tmp_path}", f"out={out}", "progress=false", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+@pytest.mark.parametrize("step, overrides, message", [
+    ("evaluate", ["model=no-such-model"], "Could not find 'model/no-such-model'"),
+    ("evaluate", ["data.seqln=128"], "seqln"),
+    ("evaluate", ["data.seqlen=0"], "data.seqlen=0 must be a positive integer"),
+    ("evaluate", ["data.seqlen=100000"], "seqlen=100000 exceeds the model's maximum of 8192"),
+    ("evaluate", ["data=wikitext2"], "corpus 'wikitext2' is not available"),
+    ("evaluate", ["data=ptb", "data.path=/nonexistent"], "ptb.train.txt does not exist"),
+    ("evaluate", ["model.id=/nonexistent/folder"], "neither a local folder"),
+    ("ranks", ["palu.kept_ratio=1.5"], "palu.kept_ratio=1.5 must lie in (0, 1]"),
+    ("ranks", ["palu.kept_ratio=0"], "palu.kept_ratio=0"),
+    ("ranks", ["palu.group_size=2"], "group_size=2 does not divide the 3 KV heads"),
+    ("evaluate", ["method=palu", "method.checkpoint=/nonexistent"], "is not a Palu checkpoint"),
+])
+def test_bad_input_fails_early_without_output(prepared_model, tmp_path, step, overrides, message):
+    if "model.id=" in overrides[0]:
+        overrides = [*overrides, "model.name=elsewhere"]  # else the prepared copy would be used
+    proc, out = _run(step, *overrides, tmp_path=tmp_path)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mismatched_checkpoint_is_refused(prepared_model, tmp_path):
+    """A checkpoint made from another model cannot be loaded onto SmolLM2."""
+    import copy
+
+    import torch
+
+    import palu
+    from tiny import tiny_llama
+    model = tiny_llama()
+    res = palu.compress(copy.deepcopy(model), torch.randint(0, 97, (2, 32)), kept_ratio=0.5,
+                        progress=False, model_id="tiny-llama")
+    ckpt = tmp_path / "ckpt"
+    res.save(ckpt)
+    proc, out = _run("evaluate", "method=palu", f"method.checkpoint={ckpt}", "data.max_tokens=256",
+                     "data.seqlen=128", tmp_path=tmp_path)
+    assert proc.returncode != 0
+    assert "was made from 'tiny-llama'" in proc.stderr + proc.stdout
+    assert not out.exists()

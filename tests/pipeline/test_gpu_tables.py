@@ -1,0 +1,108 @@
+"""GPU results -> tables and figures (runs anywhere, from the committed JSON files), and the GPU
+benchmarks' early, clear failures on a machine without a GPU or with a bad configuration."""
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from palu_bench import decode
+from palu_bench.cli.table import decode_outputs, latency_outputs
+
+LATENCY = sorted(str(p) for p in (ROOT / "results" / "latency").glob("h200-llama*.json"))
+DECODE = sorted(str(p) for p in (ROOT / "results" / "decode").glob("*.json"))
+DECODE_CONF = yaml.safe_load((Path(decode.__file__).parent / "conf" / "bench" / "decode.yaml").read_text())
+
+
+@pytest.mark.skipif(not LATENCY, reason="no committed latency results")
+def test_latency_table_and_figure_from_committed_runs(tmp_path):
+    (tmp_path / "tables").mkdir()
+    latency_outputs(LATENCY, str(tmp_path / "tables" / "latency"),
+                    str(tmp_path / "figures" / "latency_speedup.png"))
+    md = (tmp_path / "tables" / "latency.md").read_text()
+    assert re.search(r"\| llama2-7b +\| sdpa +\|", md) and "palu-norope-uniform-g4-int4" in md
+    assert (tmp_path / "figures" / "latency_speedup.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not DECODE, reason="no committed decode results")
+def test_decode_table_and_memory_figure_from_committed_runs(tmp_path):
+    (tmp_path / "tables").mkdir()
+    decode_outputs(DECODE, str(tmp_path / "tables" / "decode"),
+                   str(tmp_path / "figures" / "memory_vs_context.png"))
+    md = (tmp_path / "tables" / "decode.md").read_text()
+    for section in ("ms per token", "Peak GPU memory", "Speed-up", "random fp16"):
+        assert section in md
+    assert (tmp_path / "figures" / "memory_vs_context.png").stat().st_size > 10_000
+
+
+def test_decode_table_has_the_transformers_section_when_the_run_has_one():
+    from palu_bench.report.decode import hf_markdown
+    rows = [{"variant": v, "context": t, "seconds_per_token": ms / 1e3, "seconds_min": ms / 2e3,
+             "cache_bytes": 2 ** 30, "speedup": sp}
+            for v, ms, sp in (("hf-fp16-static", 48.0, 1.0), ("hf-palu50-g4-int4", 60.0, 0.8)) for t in (4096, 65536)]
+    rows.append({"variant": "hf-palu50-g4-fp16", "context": 4096, "error": "out of memory"})
+    md = hf_markdown({"rows": rows, "checks": [{"variant": "hf-palu50-g4-int4", "bits": 4, "context": 512,
+                                                "rel_err": 8e-3, "kernel_layers": 32}],
+                      "baseline": "hf-fp16-static"})
+    assert "(eager, no CUDA graph)" in md and re.search(r"\| hf-palu50-g4-int4 +\| +60\.00 +\|", md)
+    assert re.search(r"\| hf-palu50-g4-int4 \(vs hf-fp16-static\) +\| +0\.80 +\|", md)
+    assert "out of memory" in md and "8.00e-03" in md
+    # graph rows name their own baseline
+    rows += [{"variant": v, "context": 4096, "seconds_per_token": ms / 1e3, "seconds_min": ms / 1e3,
+              "cache_bytes": 2 ** 30, "speedup": sp, "graph": True, "baseline": "hf-fp16-static-graph"}
+             for v, ms, sp in (("hf-fp16-static-graph", 6.0, 1.0), ("hf-palu50-g4-int4-graph", 8.0, 0.75))]
+    md = hf_markdown({"rows": rows, "checks": [], "baseline": "hf-fp16-static"})
+    assert "replayed as CUDA graphs" in md and "palu.GraphDecoder" in md
+    assert re.search(r"\| hf-palu50-g4-int4-graph \(vs hf-fp16-static-graph\) +\| +0\.75 +\|", md)
+    assert re.search(r"\| hf-palu50-g4-int4 \(vs hf-fp16-static\) +\| +0\.80 +\|", md)   # older rows kept
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["variants"].append(dict(c["variants"][0])), "variant names must be unique"),
+    (lambda c: c["variants"][1].update(baseline="nope"), "baseline 'nope' is not one of"),
+    (lambda c: c["variants"][1]["palu"].update(group_size=3), "group_size=3 does not divide kv_heads=32"),
+    (lambda c: c["variants"][1]["palu"].update(kept_k=1.5), "kept_k=1.5 must be in"),
+    (lambda c: c["shape"].update(heads=30), "heads=30 is not a multiple of kv_heads=32"),
+    (lambda c: c["hf"].update(baseline="nope"), "hf.baseline 'nope' is not one of the variants"),
+    (lambda c: c["hf"]["variants"][1].update(cache="paged"), "cache 'paged' is not one of"),
+])
+def test_decode_benchmark_rejects_bad_configs_before_gpu_work(change, message):
+    cfg = copy.deepcopy(DECODE_CONF)
+    change(cfg)
+    with pytest.raises(ValueError, match=message):
+        decode.run(cfg)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, "-m", "palu_bench.cli.decode", f"out={out}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "needs a CUDA GPU" in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
+def test_tune_rows_take_their_own_variants_or_the_shared_list():
+    from palu_bench.latency import tune_plan
+    row = {"shape": "s", "length": 4096, "group": 1, "kept": [0.5, 0.5], "bits": 4, "rope": False}
+    other = {**row, "shape": "t"}    # another shape's row: timed by that shape's run
+    cfg = {"shapes": {"s": {}}, "tune": [row, other, {**row, "variants": [{"qproj_int": True}]}],
+           "tune_variants": [{}, {"splits": 8}]}
+    (a, va), (b, vb) = tune_plan(cfg)
+    assert a == b == row and va == [{}, {"splits": 8}] and vb == [{"qproj_int": True}]
+    assert tune_plan({"shapes": {"s": {}}, "tune": [row]}) == [(row, [{}])]
+
+
+def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
+    from palu_bench.latency import tune_params
+    assert tune_params([32, [2, 3], [4, 4], 64]) == dict(block_t=32, stages=(2, 3), warps=(4, 4), block_r=64)
+    assert tune_params({"fused_int_keys": True, "fused_maxnreg": 128, "splits": 64}) == \
+        dict(fused_int_keys=True, fused_maxnreg=128, splits=64)
+    with pytest.raises(ValueError, match=r"tune variant \[32, 64\] is neither"):
+        tune_params([32, 64])

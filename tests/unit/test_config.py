@@ -1,0 +1,67 @@
+"""Every config in conf/ composes and validates; bad values fail naming the key."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from palu.config import CONF_DIR
+from palu.config import ConfigError, validate
+
+GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "tracking", "paths"]
+
+
+def _compose(overrides=()):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_option_of_every_group_composes_and_validates(group):
+    options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    assert options
+    for option in options:
+        # a method that needs a checkpoint gets one; every other group composes as it is
+        extra = ["method.checkpoint=ckpt"] if group == "method" and option == "palu" else []
+        cfg = validate(_compose([f"{group}={option}", *extra]))
+        # the option's own values arrive in the validated config
+        own = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")
+        for key, value in OmegaConf.to_container(own).items():
+            if value is not None and not str(value).startswith(("???", "${")):
+                assert cfg[group][key] == value, (group, option, key)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("palu.kept_ratio=0", "palu.kept_ratio"),
+    ("palu.kept_ratio=1.2", "palu.kept_ratio"),
+    ("data.seqlen=0", "data.seqlen"),
+    ("data.seqlen=-5", "data.seqlen"),
+    ("palu.rank_method=fishr", "palu.rank_method"),
+    ("tracking.mode=sometimes", "tracking.mode"),
+    ("method=palu", "method.checkpoint"),
+    (["method=palu", "method.checkpoint=x", "method.bits=3"], "method.bits"),
+    ("device=gpu", "device"),
+])
+def test_out_of_range_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(_compose(override if isinstance(override, list) else [override]))
+
+
+def test_misspelled_keys_fail():
+    with pytest.raises(Exception, match="seqln"):
+        _compose(["data.seqln=128"])
+    cfg = _compose()
+    from omegaconf import OmegaConf
+    raw = OmegaConf.to_container(cfg)
+    raw["palu"]["kept_ratoi"] = 0.5  # a typo inside a YAML file reaches validate() like this
+    with pytest.raises(ConfigError, match="kept_ratoi"):
+        validate(raw)
+
+
+def test_grids_parse():
+    from palu.pipeline.grid import Grid
+    for path in (Path(CONF_DIR) / "grid").glob("*.yaml"):
+        grid = Grid.load(path)
+        assert grid.rank_search_specs() and grid.common_overrides()
+    with pytest.raises(ValueError, match="unknown grid keys"):
+        Grid({"model": "x", "calibration": {}, "fisher": {}, "typo": 1})

@@ -1,0 +1,95 @@
+"""Perplexity runs through the method's cache: a one-pass window equals feeding its tokens one at
+a time through the real cache, and the latent bit width changes the number."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import palu
+from palu.eval.perplexity import perplexity
+from palu.methods import build_method
+from tiny import FAMILIES
+
+# float64 models; quantised latents are dequantised to float64 too, so the one-pass and the
+# token-by-token paths see the same cache contents: their logits agree to float64 rounding, and
+# perplexity (whose loss is taken in float32, as in `perplexity`) to float32 rounding.
+LOGIT_TOL = 1e-9
+PPL_REL_TOL = 1e-6
+
+
+@pytest.fixture(scope="module", params=["llama", "opt"])
+def checkpoint(request, tmp_path_factory):
+    """A J-LRD kept-0.5 checkpoint of a tiny model (RoPE: llama; no RoPE: opt) and its base."""
+    name = request.param
+    base = FAMILIES[name](0).double()
+    calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(base)
+    kv = palu.geometry_of(base.config).num_kv_heads
+    result = palu.compress(model, calib, kept_ratio=0.5, group_size=kv, multiple=8, progress=False)
+    path = tmp_path_factory.mktemp(name) / "ckpt"
+    result.save(path)
+    return base, str(path)
+
+
+@torch.no_grad()
+def _token_by_token(model, method, windows):
+    """Perplexity and logits (n, T, V) of each window fed one token at a time through a cache."""
+    nll, count, logits = 0.0, 0, []
+    for window in windows:
+        cache = method.make_cache(model)
+        steps = [model(window[None, t:t + 1], past_key_values=cache, use_cache=True).logits[0, -1]
+                 for t in range(window.numel())]
+        logits.append(torch.stack(steps))
+        nll += F.cross_entropy(logits[-1][:-1].float(), window[1:], reduction="sum").item()
+        count += window.numel() - 1
+    return math.exp(nll / count), torch.stack(logits)
+
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_one_pass_perplexity_equals_decoding_through_the_cache(checkpoint, bits):
+    base, path = checkpoint
+    method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
+    model = copy.deepcopy(base)
+    method.install(model)
+    windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    one_pass = perplexity(model, windows, progress=False, make_cache=lambda: method.make_cache(model))
+    stepwise, step_logits = _token_by_token(model, method, windows)
+    assert one_pass["ppl"] == pytest.approx(stepwise, rel=PPL_REL_TOL)
+    with torch.no_grad():
+        pass_logits = torch.stack([model(w[None], past_key_values=method.make_cache(model),
+                                         use_cache=True).logits[0] for w in windows])
+    assert (pass_logits - step_logits).abs().max().item() < LOGIT_TOL
+
+
+def test_latent_bits_change_the_perplexity(checkpoint):
+    base, path = checkpoint
+    windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(6))
+    ppl = {}
+    for bits in (16, 8, 4, 2):
+        method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
+        model = copy.deepcopy(base)
+        method.install(model)
+        ppl[bits] = perplexity(model, windows, progress=False,
+                               make_cache=lambda: method.make_cache(model))["ppl"]
+    # every quantised width moves the number, and 2 bits moves it more than 8 bits
+    for bits in (8, 4, 2):
+        assert abs(ppl[bits] - ppl[16]) > 1e-7 * ppl[16], ppl
+    assert abs(ppl[2] - ppl[16]) > abs(ppl[8] - ppl[16]), ppl
+
+
+def test_full_cache_perplexity_equals_no_cache():
+    model = FAMILIES["llama"](0).double()
+    windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(7))
+    method = build_method({"name": "fp16"})
+    with_cache = perplexity(model, windows, progress=False, make_cache=lambda: method.make_cache(model))
+    assert with_cache["ppl"] == pytest.approx(perplexity(model, windows, progress=False)["ppl"], rel=1e-12)
+
+
+def test_a_nan_loss_is_an_error_not_a_number():
+    model = FAMILIES["llama"](0)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        perplexity(model, torch.randint(0, 97, (1, 16)), progress=False)
