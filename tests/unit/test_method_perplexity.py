@@ -93,3 +93,33 @@ def test_a_nan_loss_is_an_error_not_a_number():
         model.lm_head.weight[0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match="non-finite"):
         perplexity(model, torch.randint(0, 97, (1, 16)), progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_on_a_gpu_one_pass_equals_decoding_through_the_kernels(bits, tmp_path, monkeypatch):
+    """fp16 on CUDA: the one-pass window (torch path) against token-by-token decoding whose steps
+    run the Triton kernels over the real (packed) cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from palu.attention import kernel_backend
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=256)
+    base = LlamaForCausalLM(cfg).eval()
+    model = copy.deepcopy(base)
+    calib = torch.randint(0, 97, (4, 64), generator=torch.Generator().manual_seed(0))
+    palu.compress(model, calib, kept_ratio=0.5, group_size=2, multiple=32, progress=False).save(tmp_path / "c")
+    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": bits})
+    model = base
+    method.install(model)      # the checkpoint's hash is of the float32 base
+    model.half().cuda()
+    calls = []
+    real = kernel_backend.kernel_decode
+    monkeypatch.setattr(kernel_backend, "kernel_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    windows = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(5)).cuda()
+    one_pass = perplexity(model, windows, progress=False, make_cache=lambda: method.make_cache(model))
+    stepwise, _ = _token_by_token(model, method, windows)
+    assert len(calls) == 2 * 48 * 2        # every decode step of every layer through the kernels
+    assert one_pass["ppl"] == pytest.approx(stepwise, rel=2e-3)

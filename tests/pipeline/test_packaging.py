@@ -1,0 +1,26 @@
+"""The wheel carries the three packages and the Hydra config tree, so entry points work after a
+non-editable `pip install .` (the tree is read from the package, not from a checkout)."""
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.mark.slow
+def test_wheel_ships_packages_and_the_config_tree(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("palu-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    conf = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
+    assert conf and {f"palu/conf/{c}" for c in conf} <= names          # every YAML of conf/
+    for module in ("palu/methods/palu.py", "palu_kernels/palu_decode.py", "palu_kernels/options.py",
+                   "palu_bench/cli/table.py", "palu_bench/conf/bench/decode.yaml"):
+        assert module in names
+    assert not any(n.startswith(("tests/", "kernels/", "benchmarks/")) for n in names)
