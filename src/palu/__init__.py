@@ -13,10 +13,11 @@ from .decompose.ranks import allocate
 from .eval.perplexity import perplexity
 from .eval.runner import evaluate_corpus
 from .generation import GraphDecoder
+from .methods import CacheMethod, build_method
 from .models.adapters import geometry_of
 from .models.loading import load_model
 
-__all__ = ["CompressionResult", "GraphDecoder", "GraphLatentCache", "LatentCache", "allocate",
-           "calibration_data", "compress", "evaluate_corpus", "geometry_of", "install_palu",
-           "load_compressed", "load_corpus", "load_model", "perplexity"]
+__all__ = ["CacheMethod", "CompressionResult", "GraphDecoder", "GraphLatentCache", "LatentCache",
+           "allocate", "build_method", "calibration_data", "compress", "evaluate_corpus",
+           "geometry_of", "install_palu", "load_compressed", "load_corpus", "load_model", "perplexity"]
 __version__ = "0.1.0"

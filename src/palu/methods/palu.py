@@ -57,7 +57,10 @@ class Palu(CacheMethod):
                 "packed": self.bits != 16}
 
     def summary(self) -> dict:
-        return {**self.manifest["summary"], "kv_bits": self.bits}
+        allocation = self.manifest["allocation"]
+        groups = len({r["group"] for r in allocation["ranks"]})
+        return {**self.manifest["summary"], "kv_bits": self.bits,
+                "num_kv_heads": groups * allocation["group_size"]}
 
     def record(self) -> dict:
         return {"name": self.name, "checkpoint": self.checkpoint, "bits": self.bits,

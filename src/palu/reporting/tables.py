@@ -21,27 +21,20 @@ def granularity_name(group_size, num_kv_heads) -> str:
 
 
 def run_row(path: str | Path) -> dict:
-    run = read_json(path)
-    m = run["metrics"]
-    manifest = (run.get("method") or {}).get("manifest") or {}
-    kv_heads = None
-    if manifest:
-        ranks = manifest["allocation"]["ranks"]
-        n_groups = len({r["group"] for r in ranks})
-        kv_heads = n_groups * manifest["allocation"]["group_size"]
-    s = manifest.get("summary", {})
-    settings = manifest.get("settings", {})
+    """One table row from a run file: its metrics, which carry the method's `summary()` (a
+    column the method does not report takes the unmodified model's value)."""
+    m = read_json(path)["metrics"]
     return {
         "model": m["model"], "method": m["method"], "corpus": m["corpus"],
         "corpus_label": m["corpus_label"], "seqlen": m["seqlen"], "tokens": m["tokens"],
-        "kept_ratio_target": s.get("kept_ratio_target", 1.0),
-        "kept_ratio_realised": s.get("kept_ratio_realised", 1.0),
-        "group_size": s.get("group_size"),
-        "granularity": granularity_name(s.get("group_size"), kv_heads),
-        "rank_method": s.get("rank_method", "-"), "decomposition": s.get("decomposition", "-"),
-        "calibration_samples": settings.get("calibration_samples", 0),
-        "calibration_seqlen": settings.get("calibration_seqlen", 0),
-        "fisher_samples": settings.get("fisher_samples", 0),
+        "kept_ratio_target": m.get("kept_ratio_target", 1.0),
+        "kept_ratio_realised": m.get("kept_ratio_realised", 1.0),
+        "group_size": m.get("group_size"),
+        "granularity": granularity_name(m.get("group_size"), m.get("num_kv_heads")),
+        "rank_method": m.get("rank_method", "-"), "decomposition": m.get("decomposition", "-"),
+        "calibration_samples": m.get("calibration_samples", 0),
+        "calibration_seqlen": m.get("calibration_seqlen", 0),
+        "fisher_samples": m.get("fisher_samples", 0),
         "kv_bits": m.get("kv_bits", 16), "dtype": m.get("dtype"), "ppl": m["ppl"],
     }
 
