@@ -42,3 +42,33 @@ def test_palu_tag_carries_the_bit_width(tmp_path):
     write_json(tmp_path / "manifest.json", {"format_version": FORMAT_VERSION, "tag": "palu-x"})
     assert build_method({"name": "palu", "checkpoint": str(tmp_path)}).tag == "palu-x"
     assert build_method({"name": "palu", "checkpoint": str(tmp_path), "bits": 4}).tag == "palu-x-b4"
+
+
+def test_a_grid_line_adds_a_method_to_the_baseline_table():
+    """A method class (here one defined by the test) plus one `methods:` line in a grid: the DAG
+    then evaluates it with its overrides, beside FP16, and the baseline table reads its runs."""
+    from dataclasses import dataclass
+
+    from palu.methods import CacheMethod
+    from palu.pipeline.grid import Grid
+
+    @dataclass
+    class Halved(CacheMethod):
+        name = "test_halved"
+        bits: int = 8
+
+        @property
+        def tag(self):
+            return f"halved-b{self.bits}"
+
+    grid = Grid({"model": "smollm2-135m", "calibration": {"corpus": "c", "samples": 1, "seqlen": 8,
+                                                            "seed": 0},
+                 "fisher": {"samples": 1, "seqlen": 8, "seed": 0}, "rank_multiple": 8,
+                 "eval": {"corpora": ["wiki_standin"], "seqlen": 64, "max_tokens": 128},
+                 "methods": [{"name": "test_halved", "bits": 4}]})
+    assert "halved-b4" in grid.runs()
+    assert grid.run_overrides("halved-b4") == "method=test_halved method.bits=4"
+    assert grid.run_inputs("halved-b4") == [grid.prepared_model()]
+    assert grid.metrics("halved-b4")[0] in grid.table_inputs("baseline")
+    with pytest.raises(ValueError, match="needs a checkpoint"):
+        Grid({**grid.c, "methods": [{"name": "palu", "checkpoint": "x"}]}).runs()

@@ -16,7 +16,7 @@ from ..config import CONF_DIR
 from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
-         "device", "granularity", "rank_search", "latent_bits", "rank_figure", "memory"}
+         "device", "methods", "granularity", "rank_search", "latent_bits", "rank_figure", "memory"}
 TABLES = ("baseline", "granularity", "rank_search", "latent_bits")
 
 
@@ -100,8 +100,23 @@ class Grid:
         return [PaluSpec(q["decomposition"], q["rank_method"], float(q["kept_ratio"]), group, int(b))
                 for b in q["bits"]]
 
+    def method_runs(self) -> dict[str, dict]:
+        """The grid's `methods:` list (method configs, as conf/method/ takes them) by tag: cache
+        methods evaluated beside the FP16 baseline in the baseline table. A method is added to
+        the default tables by one line here, no code."""
+        from ..methods import build_method
+        out = {}
+        for conf in self.c.get("methods") or []:
+            method = build_method(conf)
+            if hasattr(method, "checkpoint"):
+                raise ValueError(f"grid methods: {conf} needs a checkpoint; Palu runs come from the "
+                                 "granularity / rank_search / latent_bits entries")
+            out[method.tag] = dict(conf)
+        return out
+
     def tables(self) -> list[str]:
-        return [t for t in TABLES if t != "latent_bits" or self.c.get("latent_bits")]
+        """The tables this grid makes: the baseline always, the others where it has their key."""
+        return [t for t in TABLES if t == "baseline" or self.c.get(t)]
 
     def figure_spec(self) -> PaluSpec:
         f = self.c["rank_figure"]
@@ -112,13 +127,15 @@ class Grid:
         return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
 
     def specs(self, table: str) -> list[PaluSpec]:
-        return {"baseline": [], "granularity": self.granularity_specs(),
-                "rank_search": self.rank_search_specs(),
-                "latent_bits": self.latent_bits_specs()}[table]
+        if table == "baseline":
+            return []
+        return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
+                "latent_bits": self.latent_bits_specs}[table]()
 
-    def runs(self) -> dict[str, PaluSpec | None]:
-        """Every method run of the grid by its tag (None: the FP16 baseline)."""
-        out: dict[str, PaluSpec | None] = {"fp16": None}
+    def runs(self) -> dict[str, PaluSpec | dict | None]:
+        """Every method run of the grid by its tag (None: the FP16 baseline; a dict: a method of
+        the grid's `methods:` list)."""
+        out: dict[str, PaluSpec | dict | None] = {"fp16": None, **self.method_runs()}
         for table in self.tables():
             out.update({s.tag: s for s in self.specs(table)})
         return out
@@ -132,6 +149,9 @@ class Grid:
 
     def table_inputs(self, table: str) -> list[str]:
         paths = self.metrics("fp16")
+        if table == "baseline":
+            for tag in self.method_runs():
+                paths += self.metrics(tag)
         for spec in self.specs(table):
             paths += self.metrics(spec.tag)
         return paths
@@ -151,17 +171,20 @@ class Grid:
     # ---- what a run needs ----------------------------------------------------------------------
     def run_inputs(self, tag: str) -> list[str]:
         spec = self._run(tag)
-        return [self.prepared_model()] + ([] if spec is None else [self.checkpoint(spec)])
+        return [self.prepared_model()] + ([self.checkpoint(spec)] if isinstance(spec, PaluSpec) else [])
 
     def run_overrides(self, tag: str) -> str:
         """The Hydra overrides that select run `tag`'s method (and its palu.* settings)."""
         spec = self._run(tag)
         if spec is None:
             return "method=fp16"
+        if isinstance(spec, dict):
+            return " ".join([f"method={spec['name']}"] +
+                            [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
         return " ".join(spec.overrides() + ["method=palu", f"method.checkpoint={self.checkpoint(spec)}",
                                             f"method.bits={spec.bits}"])
 
-    def _run(self, tag: str) -> PaluSpec | None:
+    def _run(self, tag: str) -> PaluSpec | dict | None:
         runs = self.runs()
         if tag not in runs:
             raise ValueError(f"run {tag!r} is not in the grid; its runs: {sorted(runs)}")
