@@ -36,7 +36,7 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
             loss.backward()
             for acc, pair in zip(squares, weights):
                 for j in range(2):
-                    acc[j] += pair[j].grad.double().cpu() ** 2
+                    acc[j] += pair[j].grad.double() ** 2     # on the weights' device
     finally:
         model.zero_grad(set_to_none=True)
         for p, flag in saved.items():
@@ -44,5 +44,5 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
     fisher = torch.zeros(len(layers), 2, geom.num_kv_heads, dtype=torch.float64)
     for i, acc in enumerate(squares):
         for j in range(2):  # rows of head h: h*head_dim .. (h+1)*head_dim
-            fisher[i, j] = acc[j].view(geom.num_kv_heads, geom.head_dim, -1).sum(dim=(1, 2))
+            fisher[i, j] = acc[j].view(geom.num_kv_heads, geom.head_dim, -1).sum(dim=(1, 2)).cpu()
     return {"fisher": fisher, "windows": int(len(windows))}

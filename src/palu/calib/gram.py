@@ -16,23 +16,24 @@ def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
     adapter = adapter_for(model.config)
     layers = adapter.layers(model)
     hidden = model.config.hidden_size
-    grams = torch.zeros(len(layers), hidden, hidden, dtype=torch.float64)
+    device = next(model.parameters()).device
+    # accumulated where the model runs (float64), returned on the CPU
+    grams = torch.zeros(len(layers), hidden, hidden, dtype=torch.float64, device=device)
     hooks = []
 
     def make_hook(i):
         def hook(_module, args):
-            x = args[0].reshape(-1, hidden).double().cpu()   # (tokens, in)
+            x = args[0].reshape(-1, hidden).double()   # (tokens, in)
             grams[i].addmm_(x.T, x)
         return hook
 
     for i, layer in enumerate(layers):
         _, k_proj, _, _ = adapter.projections(adapter.attention(layer))
         hooks.append(k_proj.register_forward_pre_hook(make_hook(i)))
-    device = next(model.parameters()).device
     try:
         for window in tqdm(windows, desc="calibration (Gram)", unit="win", disable=not progress):
             model(input_ids=window[None].to(device), use_cache=False)
     finally:
         for h in hooks:
             h.remove()
-    return {"gram": grams, "tokens": int(windows.numel())}
+    return {"gram": grams.cpu(), "tokens": int(windows.numel())}

@@ -23,7 +23,8 @@ def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
     base, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
     model, _ = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
     method.install(model)
-    ids = tokenize(tok, load_corpus(cfg.data.corpus).evaluation_text)[:context][None].to(cfg.device)
+    ids = tokenize(tok, load_corpus(cfg.data.corpus, path=cfg.data.path).evaluation_text)[:context][None]
+    ids = ids.to(cfg.device)
     if ids.shape[1] < context:
         raise ValueError(f"corpus {cfg.data.corpus!r} has fewer than context={context} tokens")
     elem = next(base.parameters()).element_size()
