@@ -7,6 +7,7 @@ corpora; its results live at `naming.metrics_path(..., run.tag, ...)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import yaml
@@ -58,6 +59,12 @@ class Grid:
 
     # ---- parameters --------------------------------------------------------------------------
     def kv_heads(self) -> int:
+        return self._kv_heads
+
+    @cached_property
+    def _kv_heads(self) -> int:
+        # once per grid: without a prepared model this parses the GGUF file (seconds), and
+        # Snakemake asks for the runs in every input function
         from ..models.adapters import geometry_of
         from ..models.loading import load_config
         model_id = naming.model_source(self.work, self.model,
@@ -135,6 +142,10 @@ class Grid:
     def runs(self) -> dict[str, PaluSpec | dict | None]:
         """Every method run of the grid by its tag (None: the FP16 baseline; a dict: a method of
         the grid's `methods:` list)."""
+        return dict(self._runs)
+
+    @cached_property
+    def _runs(self) -> dict[str, PaluSpec | dict | None]:
         out: dict[str, PaluSpec | dict | None] = {"fp16": None, **self.method_runs()}
         for table in self.tables():
             out.update({s.tag: s for s in self.specs(table)})
