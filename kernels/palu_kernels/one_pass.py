@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from .combine import _softmax_step
-from .unpack import _field_int8, _int8_scores, _query_cols, _query_int8, _token_scale_zero, _unpack_part, _unpacked_zero
+from .unpack import (_field_int8, _int8_scores, _query_cols, _query_int8, _token_scale_zero,
+                     _unpack_part, _unpacked_zero)
 
 
 @triton.jit
