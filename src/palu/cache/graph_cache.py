@@ -2,7 +2,7 @@
 
 `LatentCache` grows its buffers and decides things on the host as tokens arrive (buffer room,
 position contiguity), so every decode step runs eagerly: at 7B shapes a Palu layer costs ~1.5 ms
-of Python per token (benchmarks/NOTES.md, session 8). `GraphLatentCache` allocates `max_tokens`
+of Python per token (measured; benchmarks/NOTES.md). `GraphLatentCache` allocates `max_tokens`
 slots per layer once, in the kernels' layout (`palu_kernels/layout.py`: [batch, groups, tokens, rank],
 packed along the rank when quantised), and writes token i at slot i with device-side indices
 (`position_ids`). Nothing it does in a one-token step reads a device value on the host, so
