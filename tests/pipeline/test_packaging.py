@@ -1,5 +1,6 @@
 """The wheel carries the three packages and the Hydra config tree, so entry points work after a
 non-editable `pip install .` (the tree is read from the package, not from a checkout)."""
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,11 +13,20 @@ from conftest import ROOT
 
 @pytest.mark.slow
 def test_wheel_ships_packages_and_the_config_tree(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                           "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+    # built from a copy: pip builds a local folder in place, and its build/ would land in the checkout
+    src = tmp_path / "src"
+    src.mkdir()
+    for part in ("pyproject.toml", "README.md", "src", "kernels", "benchmarks", "conf"):
+        if (ROOT / part).is_dir():   # src/palu/conf stays a link to conf/, as in the checkout
+            shutil.copytree(ROOT / part, src / part, symlinks=True,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(ROOT / part, src / part)
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                           str(tmp_path / "dist"), str(src)], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (wheel,) = tmp_path.glob("palu-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("palu-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     conf = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     assert conf and {f"palu/conf/{c}" for c in conf} <= names          # every YAML of conf/
