@@ -102,6 +102,8 @@ class _StoredSlots:
     """A GraphLatentCache layer after a step stored its latents (`StoredLatents`): `S` slots,
     masked by the cache's device-side lengths, so nothing reads a device value on the host."""
 
+    cached = True
+
     def __init__(self, cache: "GraphLatentCache", layer_idx: int, S: int, T: int, device):
         self.cache, self.layer_idx, self.S, self.T = cache, layer_idx, S, T
         self.bits = cache.bits

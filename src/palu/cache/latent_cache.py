@@ -224,6 +224,8 @@ class LatentLayer(DynamicLayer):
 class _StoredLatentLayer:
     """A LatentLayer after a step stored its latents (the `StoredLatents` protocol)."""
 
+    cached = True
+
     def __init__(self, layer: LatentLayer, hk, hv, positions):
         self.layer, self.hk, self.hv, self._positions = layer, hk, hv, positions
         self.bits = layer.bits

@@ -17,6 +17,7 @@ import torch
 class StoredLatents(Protocol):
     """One layer's latents after this step's were stored."""
     bits: int | None          # packed width, None for latents in the model's dtype
+    cached: bool              # held by a cache (the decode kernels read only cached latents)
 
     @property
     def positions(self) -> torch.Tensor:
