@@ -44,13 +44,14 @@ def test_palu_tag_carries_the_bit_width(tmp_path):
     assert build_method({"name": "palu", "checkpoint": str(tmp_path), "bits": 4}).tag == "palu-x-b4"
 
 
-def test_a_grid_line_adds_a_method_to_the_baseline_table():
+def test_a_grid_line_adds_a_method_to_the_baseline_table(monkeypatch):
     """A method class (here one defined by the test) plus one `methods:` line in a grid: the DAG
     then evaluates it with its overrides, beside FP16, and the baseline table reads its runs."""
     from dataclasses import dataclass
 
-    from palu.methods import CacheMethod
+    from palu.methods import CacheMethod, base
     from palu.pipeline.grid import Grid
+    monkeypatch.setattr(base, "REGISTRY", dict(base.REGISTRY))   # the test's class stays here
 
     @dataclass
     class Halved(CacheMethod):

@@ -104,8 +104,8 @@ class _StoredSlots:
 
     cached = True
 
-    def __init__(self, cache: "GraphLatentCache", layer_idx: int, S: int, T: int, device):
-        self.cache, self.layer_idx, self.S, self.T = cache, layer_idx, S, T
+    def __init__(self, cache: "GraphLatentCache", layer_idx: int, S: int, device):
+        self.cache, self.layer_idx, self.S = cache, layer_idx, S
         self.bits = cache.bits
         self._positions = torch.arange(S, device=device)[None]
 
@@ -192,11 +192,10 @@ class GraphLatentCache(Cache):
 
     def store_latents(self, layer_idx: int, hk, hv, positions, ranks=None) -> _StoredSlots:
         """The `LatentStore` protocol (token i at slot i; positions None continue after `seen`)."""
-        T = hk.shape[1]
         if positions is None:
-            positions = torch.arange(self.seen, self.seen + T, device=hk.device)[None]
+            positions = torch.arange(self.seen, self.seen + hk.shape[1], device=hk.device)[None]
         S = self.update_latent(hk, hv, positions, layer_idx)
-        return _StoredSlots(self, layer_idx, S, T, hk.device)
+        return _StoredSlots(self, layer_idx, S, hk.device)
 
     def _check_positions(self, positions: torch.Tensor, T: int) -> None:
         """Eager steps only (a host sync): slots seen .. seen+T-1 in every row."""

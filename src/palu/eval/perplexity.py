@@ -32,11 +32,11 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
         else:
             logits = model(input_ids=batch, past_key_values=make_cache(), use_cache=True).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
-                               reduction="sum")
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"non-finite loss ({loss.item()}) in a perplexity window: "
+                               reduction="sum").item()
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss}) in a perplexity window: "
                                      "the model or its cache produced NaN/inf")
-        nll += loss.item()
+        nll += loss
         count += batch[:, 1:].numel()
     mean = nll / count
     return {"ppl": math.exp(mean), "nll": nll, "scored_tokens": count, "windows": len(windows),

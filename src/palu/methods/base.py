@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 REGISTRY: dict[str, type["CacheMethod"]] = {}
+_DISCOVERED = False   # every module of this package imported (`_discover`)
 
 
 class MethodError(ValueError):
@@ -64,7 +65,8 @@ class CacheMethod:
 
     def record(self) -> dict:
         """What a result file stores about the method: its config and anything it loaded."""
-        return {"name": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {"name": self.name, **fields}
 
 
 def method_names() -> list[str]:
@@ -90,9 +92,13 @@ def build_method(config: dict[str, Any]) -> CacheMethod:
 def _discover() -> None:
     """Import every module of this package once, so each method registers itself: adding a
     method is one file here and one YAML in conf/method/, nothing else to edit."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
     import importlib
     import pkgutil
 
     from .. import methods
     for info in pkgutil.iter_modules(methods.__path__):
         importlib.import_module(f"{methods.__name__}.{info.name}")
+    _DISCOVERED = True
