@@ -12,7 +12,6 @@ roofline floor max(bytes / copy bandwidth, FLOPs / matmul rate).
 from __future__ import annotations
 
 import gc
-import json
 import platform
 import time
 from pathlib import Path
@@ -167,8 +166,8 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     if cfg.get("hf"):
         result["hf"] = hf
     if out:
-        from palu.io import write_text
-        write_text(out, json.dumps(result, indent=1))
+        from palu.io import write_json   # refuses NaN / inf: a failed timing is an error row
+        write_json(out, result)
     return result
 
 

@@ -6,7 +6,6 @@ on a GPU host (it needs only torch, triton and PyYAML) or the Hydra entry point 
 """
 from __future__ import annotations
 
-import json
 import math
 import platform
 import sys
@@ -233,8 +232,8 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
                            "python": platform.python_version(), "cuda": torch.version.cuda},
               "config": cfg, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if out:   # atomically: an interrupted run leaves no half-written results file
-        from palu.io import write_text
-        write_text(out, json.dumps(result, indent=1))
+        from palu.io import write_json   # refuses NaN / inf: a failed timing is an error row
+        write_json(out, result)
     return result
 
 

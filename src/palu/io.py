@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -48,8 +50,37 @@ def write_text(target: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+class NonFiniteResultError(FloatingPointError):
+    """A result holds NaN or inf: nothing is written (a result that cannot be right is an error)."""
+
+
+def nonfinite_keys(obj: Any, where: str = "") -> list[str]:
+    """The dotted keys of every NaN / inf float inside `obj` (dicts, lists, numbers)."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [where or "<value>"]
+    if isinstance(obj, dict):
+        return [k for key, v in obj.items() for k in nonfinite_keys(v, f"{where}.{key}" if where else str(key))]
+    if isinstance(obj, (list, tuple)):
+        return [k for i, v in enumerate(obj) for k in nonfinite_keys(v, f"{where}[{i}]")]
+    return []
+
+
 def write_json(target: str | Path, obj: Any) -> None:
-    write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    """Write `obj` atomically; NaN / inf anywhere is refused (NonFiniteResultError naming the
+    keys), so no metric file can hold a number that cannot be right."""
+    bad = nonfinite_keys(obj)
+    if bad:
+        raise NonFiniteResultError(f"refusing to write {target}: non-finite value(s) at "
+                                   f"{', '.join(bad[:8])}" + (" ..." if len(bad) > 8 else ""))
+    write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_json(path: str | Path) -> Any:

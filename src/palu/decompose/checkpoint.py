@@ -1,22 +1,26 @@
 """Compressed checkpoints: the factors (safetensors), a config and a manifest.
 
-The manifest names the source model and a hash of its attention weights, the ranks, the methods
-and every calibration setting. Loading against a different base model fails with both hashes.
+The manifest names the source model and a hash of its attention weights, the ranks, the methods,
+every calibration setting and the sha256 of the factors file. Loading against a different base
+model fails with both hashes; a factors file whose bytes changed (same size or not) is refused.
 """
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..attention.install import install_palu
-from ..io import atomic_dir, read_json, write_json
+from ..io import atomic_dir, read_json, sha256_file, write_json
 from ..models.adapters import adapter_for, geometry_of
 from .factors import LayerFactors
 
-FORMAT_VERSION = 1
+SAVED_DTYPES = (torch.float32, torch.float64)   # see factors.stored_dtype
+FORMAT_VERSION = 2   # 2: the manifest holds the sha256 of factors.safetensors
+FACTORS = "factors.safetensors"
 
 
 def checkpoint_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str) -> str:
@@ -48,11 +52,15 @@ def save_compressed(out_dir: str | Path, factors: list[LayerFactors], manifest: 
     for l, lf in enumerate(factors):
         for kind in ("k", "v"):
             for g, (A, B) in enumerate(zip(getattr(lf, f"A_{kind}"), getattr(lf, f"B_{kind}"))):
-                tensors[f"layers.{l}.{kind}.{g}.A"] = A.float().contiguous()
-                tensors[f"layers.{l}.{kind}.{g}.B"] = B.float().contiguous()
+                if A.dtype not in SAVED_DTYPES or B.dtype not in SAVED_DTYPES:
+                    raise ValueError(f"layer {l}: factors in {A.dtype}/{B.dtype}; checkpoints keep "
+                                     f"them as decompose_model returns them ({SAVED_DTYPES})")
+                tensors[f"layers.{l}.{kind}.{g}.A"] = A.contiguous()
+                tensors[f"layers.{l}.{kind}.{g}.B"] = B.contiguous()
     with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "factors.safetensors"))
-        write_json(tmp / "manifest.json", {"format_version": FORMAT_VERSION, **manifest})
+        save_file(tensors, str(tmp / FACTORS))
+        write_json(tmp / "manifest.json", {**manifest, "format_version": FORMAT_VERSION,
+                                           "files": {FACTORS: sha256_file(tmp / FACTORS)}})
     return Path(out_dir)
 
 
@@ -66,13 +74,26 @@ def read_manifest(path: str | Path) -> dict:
         raise CheckpointError(str(err)) from err
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {manifest.get('format_version')!r}, "
-                              f"expected {FORMAT_VERSION}")
+                              f"expected {FORMAT_VERSION} (made by an older palu: decompose it again)")
     return manifest
 
 
+def verify_files(path: str | Path, manifest: dict) -> None:
+    """Every file the manifest lists has the bytes it had when saved (sha256)."""
+    for name, expected in manifest["files"].items():
+        file = Path(path) / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise CheckpointError(f"{file} is corrupt: sha256 {actual[:16]}… but the manifest "
+                                  f"recorded {expected[:16]}… when it was saved")
+
+
 def load_factors(path: str | Path, num_layers: int, n_groups: int) -> list[LayerFactors]:
+    verify_files(path, read_manifest(path))
     try:
-        tensors = load_file(str(Path(path) / "factors.safetensors"))
+        tensors = load_file(str(Path(path) / FACTORS))
     except (SafetensorError, FileNotFoundError, OSError) as err:
         raise CheckpointError(f"{path}/factors.safetensors is missing or corrupt: {err}") from err
     factors = []

@@ -4,13 +4,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
 from ..models.adapters import adapter_for, geometry_of
+from ..progress import steps
 from .ranks import ranks_table
 from .svd import factorize, whitening
 
 DECOMPOSITIONS = ("whitened", "plain")
+
+
+def stored_dtype(model) -> torch.dtype:
+    """The dtype factors are kept and saved in: float32, or float64 for a float64 model (its
+    exactness tests). Factors are computed in float64; `decompose_model` returns them already
+    rounded, so the in-memory model and a saved-and-reloaded one are the same bit for bit
+    (fusing float64 factors in memory once differed by 6e-5 in the logits from a reload)."""
+    return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
 
 
 @dataclass
@@ -20,6 +28,10 @@ class LayerFactors:
     B_k: list[torch.Tensor] = field(default_factory=list)
     A_v: list[torch.Tensor] = field(default_factory=list)
     B_v: list[torch.Tensor] = field(default_factory=list)
+
+    def to(self, dtype: torch.dtype) -> "LayerFactors":
+        return LayerFactors(*([t.to(dtype) for t in getattr(self, name)]
+                              for name in ("A_k", "B_k", "A_v", "B_v")))
 
     @property
     def ranks_k(self) -> list[int]:
@@ -42,7 +54,8 @@ def _output_error(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch
 def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                     method: str = "whitened", progress: bool = True
                     ) -> tuple[list[LayerFactors], dict]:
-    """Factors for every layer plus a report (whitening method and output error per block)."""
+    """Factors for every layer (in `stored_dtype(model)`) plus a report (whitening method and
+    output error per block, computed in float64)."""
     if method not in DECOMPOSITIONS:
         raise ValueError(f"decomposition {method!r} is not one of {DECOMPOSITIONS}")
     if method == "whitened" and grams is None:
@@ -54,7 +67,7 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     rows = s * geom.head_dim
     factors, report = [], {"whitening": [], "output_error": []}
     layers = adapter.layers(model)
-    for l, layer in enumerate(tqdm(layers, desc="decompose", unit="layer", disable=not progress)):
+    for l, layer in enumerate(steps(layers, "decompose", "layers", progress)):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
         white = whitening(grams[l]) if method == "whitened" else None
         report["whitening"].append({"layer": l, "method": white.method if white else "none",
@@ -70,5 +83,5 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                 if grams is not None:
                     report["output_error"].append({"layer": l, "kind": kind, "group": g,
                                                    "rel_error": _output_error(Wg, A, B, grams[l])})
-        factors.append(lf)
+        factors.append(lf.to(stored_dtype(model)))
     return factors, report

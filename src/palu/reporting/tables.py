@@ -1,6 +1,7 @@
 """Tables from per-run metrics JSON: one row per run, columns that say exactly what was run."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -24,6 +25,8 @@ def run_row(path: str | Path) -> dict:
     """One table row from a run file: its metrics, which carry the method's `summary()` (a
     column the method does not report takes the unmodified model's value)."""
     m = read_json(path)["metrics"]
+    if not isinstance(m.get("ppl"), (int, float)) or not math.isfinite(m["ppl"]):
+        raise ValueError(f"{path}: ppl {m.get('ppl')!r} is not a finite number")
     return {
         "model": m["model"], "method": m["method"], "corpus": m["corpus"],
         "corpus_label": m["corpus_label"], "seqlen": m["seqlen"], "tokens": m["tokens"],
@@ -43,6 +46,10 @@ def build_table(paths: list[str]) -> pd.DataFrame:
     if not paths:
         raise ValueError("no run files given to build a table from")
     frame = pd.DataFrame([run_row(p) for p in paths], columns=COLUMNS)
+    key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
+    twice = frame[frame.duplicated(key, keep=False)]
+    if len(twice):   # two settings under one label: a table would silently show one of them
+        raise ValueError(f"runs with the same {key} in one table: {sorted(set(map(str, paths)))}")
     return frame.sort_values(["corpus", "method", "kept_ratio_target", "group_size"],
                              ascending=[True, True, False, True], na_position="first",
                              kind="stable").reset_index(drop=True)
