@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from ..cache.protocol import LatentStore, TensorLatents
 from ..models.adapters import FamilyAdapter, Geometry
@@ -33,6 +34,23 @@ def _sdpa(q, k, v, mask, scale: float, causal: bool):
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=causal,
                                          enable_gqa=q.shape[1] != k.shape[1])
     return out[..., :dv]
+
+
+def check_plain_cache(cache, layer_idx: int) -> None:
+    """Only a cache that keeps every token as given can hold latents it does not know about: a
+    sliding-window layer trims them (positions would no longer be 0..S-1), a static or quantised
+    one rewrites them. Anything else is refused rather than read wrongly."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and layer_idx < len(layers):
+        layer = type(layers[layer_idx])
+    else:   # a cache built without a config appends layers of this class as they are reached
+        layer = getattr(cache, "layer_class_to_replicate", None)
+    if layer is not DynamicLayer or getattr(cache, "offloading", False):
+        kind = getattr(layer, "__name__", type(cache).__name__)
+        raise TypeError(f"Palu attention cannot use a {type(cache).__name__} ({kind} at layer "
+                        f"{layer_idx}): it stores latents, which only palu.LatentCache (or a plain "
+                        f"DynamicCache without sliding windows) holds correctly; pass "
+                        f"past_key_values=palu.LatentCache(model)")
 
 
 class PaluAttention(nn.Module):
@@ -185,7 +203,8 @@ class PaluAttention(nn.Module):
     def _store(self, hk, hv, cache, position_ids, T, device):
         if isinstance(cache, LatentStore):
             return cache.store_latents(self.layer_idx, hk, hv, position_ids, (self.ranks_k, self.ranks_v))
-        if cache is not None:  # any other Cache stores the latents as one pseudo-head
+        if cache is not None:  # an ordinary full DynamicCache stores the latents as one pseudo-head
+            check_plain_cache(cache, self.layer_idx)
             k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
             return TensorLatents(k.squeeze(1), v.squeeze(1),
                                  torch.arange(k.shape[-2], device=device)[None], cached=True)

@@ -21,18 +21,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
-from .protocol import causal_mask
+from ..models.adapters import sliding_window_of
+from .protocol import causal_mask, check_latent_model
 from .slots import slot_buffer, slot_nbytes, slot_range
-
-
-def palu_layers(model) -> dict:
-    """{layer index: Palu attention module} of a model with Palu installed (an error if none
-    is). Modules are found by their `stores_latents` mark, so no attention class is imported."""
-    found = {m.layer_idx: m for m in model.modules() if getattr(m, "stores_latents", False)}
-    if not found:
-        raise ValueError("the model has no Palu attention: install it first (palu.compress, "
-                         "palu.load_compressed or palu.install_palu)")
-    return found
 
 
 def _capturing() -> bool:
@@ -145,11 +136,12 @@ class GraphLatentCache(Cache):
         for name, value in (("max_tokens", max_tokens), ("batch", batch)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        modules = palu_layers(model)
+        modules = check_latent_model(model, "GraphLatentCache")
         n_layers = model.config.num_hidden_layers
-        if sorted(modules) != list(range(n_layers)):
-            raise ValueError(f"Palu attention is installed in layers {sorted(modules)}, not in all "
-                             f"{n_layers}: GraphLatentCache holds latents only")
+        if sliding_window_of(model.config) is not None:
+            # its decode mask is the row's length alone: a window would be silently ignored
+            raise ValueError(f"GraphLatentCache has no sliding-window attention (the model's window is "
+                             f"{sliding_window_of(model.config)} tokens); use palu.LatentCache")
         self.max_tokens, self.batch, self.bits = max_tokens, batch, bits
         self.seen = 0              # tokens stored (host): advanced by eager steps, set by GraphDecoder
         self.view_tokens: int | None = None   # slots the kernels read while a graph is captured

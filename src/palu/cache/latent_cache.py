@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent, quantize_latent
 
-from .protocol import causal_mask
+from .protocol import causal_mask, check_latent_model
 
 
 def _use_quantize_kernel(h: torch.Tensor) -> bool:
@@ -254,11 +254,17 @@ class _StoredLatentLayer:
 
 class LatentCache(Cache):
     """One LatentLayer per decoder layer of `model` (or `num_layers`); `bits` in (2, 4, 8)
-    stores the latents quantised (per token and group, packed), None keeps them as computed."""
+    stores the latents quantised (per token and group, packed), None keeps them as computed.
+
+    Sliding-window models: every token's latents are kept and the model's window mask (which
+    Palu attention applies on the torch path; a mask sends a decode step there) decides what each
+    query sees, so the window is honoured exactly; the bytes count every kept token."""
 
     def __init__(self, model=None, num_layers: int | None = None, bits: int | None = None):
         if bits is not None and bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
+        if model is not None:
+            check_latent_model(model, "LatentCache")
         n = num_layers if num_layers is not None else model.config.num_hidden_layers
         super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
         self.bits = bits

@@ -47,6 +47,27 @@ class LatentStore(Protocol):
         """Append latents (B, T, R) at `positions` ((B or 1, T), None: after what is cached)."""
 
 
+def palu_layers(model) -> dict:
+    """{layer index: Palu attention module} of a model with Palu installed (an error if none
+    is). Modules are found by their `stores_latents` mark, so no attention class is imported."""
+    found = {m.layer_idx: m for m in model.modules() if getattr(m, "stores_latents", False)}
+    if not found:
+        raise ValueError("the model has no Palu attention: install it first (palu.compress, "
+                         "palu.load_compressed or palu.install_palu)")
+    return found
+
+
+def check_latent_model(model, cache: str) -> dict:
+    """`model`'s Palu modules by layer; an error unless every decoder layer has one (a latent
+    cache on an uncompressed model would store full K/V and call them latents)."""
+    modules = palu_layers(model)
+    n_layers = model.config.num_hidden_layers
+    if sorted(modules) != list(range(n_layers)):
+        raise ValueError(f"Palu attention is installed in layers {sorted(modules)}, not in all "
+                         f"{n_layers}: {cache} holds latents only")
+    return modules
+
+
 def causal_mask(attention_mask, T: int, S: int, device):
     """The mask of T query tokens over S cached ones (the newest T are the queries)."""
     if attention_mask is not None:

@@ -81,6 +81,18 @@ def adapter_for(config) -> FamilyAdapter:
     return ADAPTERS[model_type]
 
 
+def sliding_window_of(config) -> int | None:
+    """The attention window (tokens) if any layer attends through a sliding window, else None.
+    (Mistral sets `sliding_window`; Qwen2 only uses it where `layer_types` says so.)"""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def geometry_of(config) -> Geometry:
     adapter = adapter_for(config)
     heads = config.num_attention_heads

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .adapters import UnsupportedArchitectureError, adapter_for
+
 log = logging.getLogger(__name__)
 
 PKG_SCHEME = "pkg://"
@@ -76,23 +78,40 @@ def _hub_cache_hint() -> str:
     return os.path.join(home, "hub")
 
 
-def load_config(model_id: str):
-    """The model's config alone (no weights): cheap checks before any heavy work."""
+def load_config(model_id: str, supported: bool = True):
+    """The model's config alone (no weights): cheap checks before any heavy work. `supported`:
+    refuse a family without an adapter (UnsupportedArchitectureError listing the supported ones)."""
     from transformers import AutoConfig
     src = resolve_source(model_id)
     try:
-        return AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, local_files_only=True)
+        config = AutoConfig.from_pretrained(src.path, gguf_file=src.gguf_file, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ModelNotFoundError(f"model {model_id!r}: no local config ({_hub_cache_hint()} "
                                  f"looked at for hub ids; downloads are disabled): {err}") from err
+    if supported:
+        check_supported(config, model_id)
+    return config
+
+
+def check_supported(config, model_id: str = "") -> None:
+    """Every step refuses a family palu has no adapter for, the FP16 baseline included: its
+    numbers would come from code paths nobody checked (Gemma-3's BOS, q/k norms and sliding
+    windows gave a baseline ppl of 773 where 200 was right)."""
+    try:
+        adapter_for(config)
+    except UnsupportedArchitectureError as err:
+        raise UnsupportedArchitectureError(f"model {model_id!r}: {err}") from None
 
 
 def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
-    """Return `(model, tokenizer)` for any supported id. Never touches the network."""
+    """Return `(model, tokenizer)` for any supported id (a family without an adapter is
+    refused before the weights are read). Never touches the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     src = resolve_source(model_id)
+    if src.kind != "hub":   # a hub id without local files fails below with where we looked
+        load_config(model_id)
     kwargs = dict(dtype=_DTYPES[dtype])
     if src.kind == "gguf":
         kwargs["gguf_file"] = src.gguf_file
@@ -109,8 +128,22 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
                 f"or download the model first. Cause: {err}") from err
         raise
     _strip_gguf_markers(model)
+    check_supported(model.config, model_id)
+    if src.kind == "gguf":
+        _align_special_tokens(tok, model)
     model.eval().to(device)
     return model, tok
+
+
+def _align_special_tokens(tok, model) -> None:
+    # transformers' GGUF tokenizer conversion can name the wrong EOS (SmolLM2: id 1,
+    # <|im_start|>, where the GGUF metadata and the model config say 2, <|im_end|>): anyone
+    # stopping generation on tok.eos_token_id would stop at the start of a turn
+    eos = model.config.eos_token_id
+    if isinstance(eos, int) and tok.eos_token_id != eos and 0 <= eos < len(tok):
+        log.info("tokenizer eos %r (id %s) -> %r (id %d, as the model config says)",
+                 tok.eos_token, tok.eos_token_id, tok.convert_ids_to_tokens(eos), eos)
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
 
 
 def _strip_gguf_markers(model) -> None:
@@ -126,18 +159,63 @@ def _strip_gguf_markers(model) -> None:
     model.is_quantized = False
 
 
+class PreparedModelMismatchError(ValueError):
+    """A saved-and-reloaded model does not tokenise or score like its source."""
+
+
+# Words, digits, punctuation, accents, spaces and newlines: what a tokenizer conversion breaks.
+ROUND_TRIP_TEXT = ("The history of the university began in 1891, when Leland Stanford's family "
+                   "founded it.\n\n  Indentation, café, naïve — and \"quotes\"; x = 3.14 * r**2.")
+
+
+def check_round_trip(model, tok, folder: str | Path, rtol: float = 1e-5) -> None:
+    """Reload `folder` and compare with the in-memory source: the same token ids (and special
+    tokens) on a fixed text, and the same logits on it. PreparedModelMismatchError otherwise
+    (a Gemma-3 GGUF tokenizer once came back splitting text into characters: ppl 125801.9)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = str(folder)
+    loaded_tok = AutoTokenizer.from_pretrained(folder)
+    want = tok(ROUND_TRIP_TEXT, add_special_tokens=True)["input_ids"]
+    got = loaded_tok(ROUND_TRIP_TEXT, add_special_tokens=True)["input_ids"]
+    if want != got:
+        first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise PreparedModelMismatchError(
+            f"the tokenizer saved to {folder} does not tokenise like the source: {len(want)} vs "
+            f"{len(got)} ids on a fixed text, first difference at id {first} "
+            f"({want[first:first + 5]} vs {got[first:first + 5]})")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(tok, name) != getattr(loaded_tok, name):
+            raise PreparedModelMismatchError(f"the tokenizer saved to {folder} has {name}="
+                                             f"{getattr(loaded_tok, name)}, the source {getattr(tok, name)}")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=next(model.parameters()).dtype).eval()
+    ids = torch.tensor([want[:64]])
+    with torch.no_grad():
+        a = model(ids.to(next(model.parameters()).device)).logits.cpu()
+        b = loaded(ids).logits
+    diff, scale = (a - b).abs().max().item(), a.abs().max().item()
+    if not diff <= rtol * max(scale, 1.0):
+        raise PreparedModelMismatchError(f"the model saved to {folder} gives other logits than the "
+                                         f"source: max difference {diff:.3g} (largest logit {scale:.3g})")
+
+
+def _save_tokenizer(tok, folder: Path) -> None:
+    tok.save_pretrained(folder)
+
+
 def prepare_model(model_id: str, out_dir: str | Path) -> Path:
     """Materialise `model_id` as a fast-loading HF folder at `out_dir` (atomically).
 
     GGUF / package models are dequantised and saved; local folders and hub ids are saved as
-    they are so every later step reads the same bytes.
+    they are so every later step reads the same bytes. The saved copy is reloaded and checked
+    against the source (`check_round_trip`) before it is put in place.
     """
     from ..io import atomic_dir
     out_dir = Path(out_dir)
     model, tok = load_model(model_id)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
+        _save_tokenizer(tok, tmp)
         (tmp / "palu_source.json").write_text(json.dumps({"model_id": model_id}, indent=2))
-    log.info("prepared %s -> %s", model_id, out_dir)
+        check_round_trip(model, tok, tmp)
+    log.info("prepared %s -> %s (tokenizer and logits checked after reloading)", model_id, out_dir)
     return out_dir
