@@ -16,7 +16,7 @@ from .attention.install import install_palu
 from .calib.fisher import collect_fisher
 from .calib.gram import collect_grams
 from .data.corpora import load_corpus
-from .data.windows import calibration_windows, tokenize
+from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, save_compressed, source_hash
 from .decompose.factors import decompose_model
 from .decompose.ranks import allocate
@@ -24,10 +24,12 @@ from .models.adapters import geometry_of
 
 
 def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16, seqlen: int = 1024,
-                     seed: int = 0, path: str | None = None) -> torch.Tensor:
-    """Seeded random windows (samples, seqlen) from the calibration part of a corpus."""
+                     seed: int = 0, path: str | None = None, bos: str = "auto") -> torch.Tensor:
+    """Seeded random windows (samples, seqlen) from the calibration part of a corpus, each
+    starting with BOS where the model's tokenizer adds one (`bos`: auto | always | never)."""
     text = load_corpus(corpus, path=path).calibration_text
-    return calibration_windows(tokenize(tokenizer, text), samples, seqlen, seed)
+    return calibration_windows(tokenize(tokenizer, text), samples, seqlen, seed,
+                               bos_token_for(tokenizer, bos))
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from .data.windows import BOS_SETTINGS
 from .decompose.factors import DECOMPOSITIONS
 from .decompose.ranks import RANK_METHODS
 
@@ -37,6 +38,7 @@ class DataConfig:
     seqlen: int = 2048
     max_tokens: Optional[int] = None    # evaluate only the first windows covering this many tokens
     calibration_fraction: float = 0.3
+    bos: str = "auto"                   # each window starts with BOS: auto (as the tokenizer does) | always | never
 
 
 @dataclass
@@ -46,6 +48,7 @@ class CalibrationConfig:
     samples: int = 24
     seqlen: int = 2048
     seed: int = 0
+    bos: str = "auto"                   # as data.bos, for the calibration (and Fisher) windows
 
 
 @dataclass
@@ -109,6 +112,8 @@ _CHOICES = {
     "palu.decomposition": DECOMPOSITIONS,
     "tracking.mode": ("offline", "online", "disabled"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),
+    "data.bos": BOS_SETTINGS,
+    "calibration.bos": BOS_SETTINGS,
 }
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
@@ -139,6 +144,13 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     if not (0.0 < merged.data.calibration_fraction < 1.0):
         raise ConfigError(f"data.calibration_fraction={merged.data.calibration_fraction!r} "
                           "must lie in (0, 1)")
+    from .data.corpora import STANDINS
+    for part in ("data", "calibration"):
+        section = merged[part]
+        if section.path and section.corpus in STANDINS:
+            raise ConfigError(f"{part}.path={section.path!r} cannot be used with the embedded corpus "
+                              f"{part}.corpus={section.corpus!r} (it reads no files); choose a real "
+                              f"corpus (wikitext2, c4, ptb) for files of your own")
     if merged.device != "cpu" and not merged.device.startswith("cuda"):
         raise ConfigError(f"device={merged.device!r} must be 'cpu' or 'cuda[:N]'")
     method_of(merged)

@@ -1,5 +1,6 @@
 """The Snakemake DAG on the small grid: builds every table, then has nothing to do, and a changed
 parameter reruns only what depends on it."""
+import json
 import re
 import shutil
 import subprocess
@@ -40,6 +41,13 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     assert (results / "figures" / "rank_allocation.png").stat().st_size > 10_000
     gran = pd.read_csv(results / "tables" / "granularity.csv")
     assert set(gran["granularity"]) == {"-", "M-LRD", "J-LRD"}
+    # The grid's name for each run (its result path) is the one evaluate derived from the
+    # checkpoint's own manifest: calibration, Fisher and rank multiple included.
+    runs = sorted((results / "runs").rglob("ppl-*.json"))
+    assert len(runs) >= 8
+    for path in runs:
+        run = json.loads(path.read_text())["metrics"]["run"]
+        assert path.parent == results / "runs" / "smollm2-135m" / run, (path, run)
 
     # A rerun after success does nothing.
     assert "Nothing to be done" in _snakemake("--configfile", "conf/grid/small.yaml", "-n")

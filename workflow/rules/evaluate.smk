@@ -4,11 +4,11 @@ rule evaluate:
     input:
         lambda w: GRID.run_inputs(w.run),
     output:
-        str(naming.metrics_path(R, M, "{run}", "{corpus}", "{seqlen}", "{tokens}")),
+        GRID.evaluation_pattern(),
     log:
-        log("evaluate", "{run}-{corpus}-L{seqlen}-T{tokens}"),
+        log("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}"),
     benchmark:
-        bench("evaluate", "{run}-{corpus}-L{seqlen}-T{tokens}")
+        bench("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}")
     threads: workflow.cores
     params:
         max_tokens=max_tokens,

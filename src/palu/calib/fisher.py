@@ -6,9 +6,9 @@ so any group size can be reduced from it later.
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from ..models.adapters import adapter_for, geometry_of
+from ..progress import steps
 
 
 def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
@@ -29,7 +29,7 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
                for kw, vw in weights]
     device = next(model.parameters()).device
     try:
-        for window in tqdm(windows, desc="Fisher", unit="win", disable=not progress):
+        for window in steps(windows, "Fisher", "windows", progress):
             batch = window[None].to(device)
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             model.zero_grad(set_to_none=True)

@@ -5,9 +5,9 @@ K and V read the same normalised hidden states, so one Gram per layer serves bot
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from ..models.adapters import adapter_for
+from ..progress import steps
 
 
 @torch.no_grad()
@@ -31,7 +31,7 @@ def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
         _, k_proj, _, _ = adapter.projections(adapter.attention(layer))
         hooks.append(k_proj.register_forward_pre_hook(make_hook(i)))
     try:
-        for window in tqdm(windows, desc="calibration (Gram)", unit="win", disable=not progress):
+        for window in steps(windows, "calibration (Gram)", "windows", progress):
             model(input_ids=window[None].to(device), use_cache=False)
     finally:
         for h in hooks:

@@ -32,9 +32,10 @@ def model_path(cfg) -> str:
 def calibration_windows_of(cfg, tok, samples: int, seqlen: int, seed: int):
     """Seeded windows from the calibration corpus (shared by the calibrate and fisher steps)."""
     from ..data.corpora import load_corpus
-    from ..data.windows import calibration_windows, tokenize
+    from ..data.windows import bos_token_for, calibration_windows, tokenize
     text = load_corpus(cfg.calibration.corpus, path=cfg.calibration.path).calibration_text
-    return calibration_windows(tokenize(tok, text), samples, seqlen, seed)
+    return calibration_windows(tokenize(tok, text), samples, seqlen, seed,
+                               bos_token_for(tok, cfg.calibration.bos))
 
 
 def environment() -> dict:

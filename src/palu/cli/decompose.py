@@ -9,7 +9,7 @@ from ..compress import build_manifest
 from ..config import to_dict
 from ..decompose.checkpoint import save_compressed
 from ..decompose.factors import decompose_model
-from ..io import read_json
+from ..io import read_json, sha256_file
 from ..models.loading import load_model
 from ..pipeline import naming
 from .common import entry_point, log, model_path
@@ -34,8 +34,12 @@ def run(cfg) -> str:
     settings = {"calibration": to_dict(cfg.calibration), "fisher": to_dict(cfg.fisher),
                 "calibration_samples": cfg.calibration.samples,
                 "calibration_seqlen": cfg.calibration.seqlen,
+                "calibration_dtype": cfg.model.dtype,   # the model's dtype in the calibration run
                 "fisher_samples": cfg.fisher.samples if p.rank_method != "uniform" else 0,
-                "decompose_seconds": time.perf_counter() - start}
+                "decompose_seconds": time.perf_counter() - start,
+                # lineage: the exact bytes this checkpoint was made from
+                "inputs": {"ranks": sha256_file(ranks),
+                           **({"gram": sha256_file(naming.gram_path_of(cfg))} if grams is not None else {})}}
     manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings)
     out = cfg.out or str(naming.checkpoint_dir_of(cfg))
     save_compressed(out, factors, manifest)

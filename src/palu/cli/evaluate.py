@@ -1,6 +1,8 @@
 """Step `evaluate`: perplexity of a model through a KV-cache method (conf/method/) on one corpus."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..config import method_of
 from ..data.corpora import load_corpus
 from ..eval.runner import check_seqlen, evaluate_corpus
@@ -12,8 +14,7 @@ from .common import entry_point, log, model_path, record
 
 
 def output_path(cfg, method) -> str:
-    return cfg.out or str(naming.metrics_path(cfg.paths.results, cfg.model.name, method.tag,
-                                              cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens))
+    return cfg.out or str(naming.metrics_path_of(cfg, method))
 
 
 def check_matches_config(summary: dict, cfg) -> None:
@@ -44,14 +45,17 @@ def run(cfg) -> dict:
     method.install(model)
     summary = method.summary()
     check_matches_config(summary, cfg)
-    name = f"{cfg.model.name}/{method.tag}/{cfg.data.corpus}-L{cfg.data.seqlen}"
+    # the result path's parts: one W&B run per result file, resumed by a rerun
+    name = f"{cfg.model.name}/{naming.run_name(method.tag, method.lineage())}/{Path(out).stem}"
     with tracked_run(cfg.tracking, record(cfg)["config"], job_type="evaluate", name=name,
                      group=cfg.model.name) as wb:
         metrics = evaluate_corpus(model, tok, cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens,
                                   path=cfg.data.path,
                                   calibration_fraction=cfg.data.calibration_fraction,
-                                  progress=cfg.progress, method=method)
-        metrics.update(model=cfg.model.name, method=method.tag, dtype=cfg.model.dtype, **summary)
+                                  progress=cfg.progress, method=method, bos=cfg.data.bos)
+        metrics.update(model=cfg.model.name, method=method.tag, dtype=cfg.model.dtype,
+                       run=naming.run_name(method.tag, method.lineage()),
+                       calibration_fraction=cfg.data.calibration_fraction, **summary)
         log_metrics(wb, metrics)
     write_json(out, record(cfg, metrics=metrics, method=method.record()))
     log.info("%s: ppl %.3f on %s (%d tokens) -> %s", method.tag, metrics["ppl"], cfg.data.corpus,

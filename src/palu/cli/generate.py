@@ -10,10 +10,11 @@ import torch
 from ..cache.memory import fp16_equivalent, prefill_nbytes
 from ..config import method_of
 from ..data.corpora import load_corpus
-from ..data.windows import tokenize
+from ..data.windows import bos_token_for, evaluation_windows, tokenize
 from ..io import write_json, write_text
 from ..methods import build_method
 from ..models.loading import load_model
+from ..pipeline import naming
 from .common import entry_point, log, model_path, record
 
 
@@ -23,10 +24,9 @@ def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
     base, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
     model, _ = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
     method.install(model)
-    ids = tokenize(tok, load_corpus(cfg.data.corpus, path=cfg.data.path).evaluation_text)[:context][None]
+    text = tokenize(tok, load_corpus(cfg.data.corpus, path=cfg.data.path).evaluation_text)
+    ids = evaluation_windows(text, context, bos=bos_token_for(tok, cfg.data.bos))[:1]
     ids = ids.to(cfg.device)
-    if ids.shape[1] < context:
-        raise ValueError(f"corpus {cfg.data.corpus!r} has fewer than context={context} tokens")
     elem = next(base.parameters()).element_size()
     dense, stored = prefill_nbytes(base, full, ids), prefill_nbytes(model, method, ids)
     prompt_ids = tok(prompt, return_tensors="pt").input_ids.to(cfg.device)
@@ -59,7 +59,8 @@ def markdown(r: dict) -> str:
 
 
 def run(cfg) -> dict:
-    out = cfg.out or f"{cfg.paths.results}/tables/cache_memory.json"
+    # by hand (no `out`): under the work folder, never over the pipeline's committed table
+    out = cfg.out or str(naming.by_hand(cfg.paths.work) / "tables" / "cache_memory.json")
     payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
     write_json(out, payload)
     write_text(out.removesuffix(".json") + ".md", markdown(payload["result"]))

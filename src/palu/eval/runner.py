@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..data.corpora import load_corpus
-from ..data.windows import evaluation_windows, tokenize
+from ..data.windows import bos_token_for, evaluation_windows, tokenize
 from .perplexity import perplexity
 
 
@@ -16,13 +16,15 @@ def check_seqlen(model_config, seqlen: int) -> None:
 
 def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int | None = None,
                     path: str | None = None, calibration_fraction: float = 0.3,
-                    progress: bool = True, method=None) -> dict:
+                    progress: bool = True, method=None, bos: str = "auto") -> dict:
     """Perplexity on the evaluation part of `corpus` in non-overlapping `seqlen` windows, through
-    `method`'s cache (a `palu.methods.CacheMethod`, already installed; None: no cache)."""
+    `method`'s cache (a `palu.methods.CacheMethod`, already installed; None: no cache). `bos`:
+    auto | always | never, whether each window starts with the BOS token (see data/windows.py)."""
     check_seqlen(model.config, seqlen)
     data = load_corpus(corpus, path=path, calibration_fraction=calibration_fraction)
-    windows = evaluation_windows(tokenize(tokenizer, data.evaluation_text), seqlen, max_tokens)
+    bos_id = bos_token_for(tokenizer, bos)
+    windows = evaluation_windows(tokenize(tokenizer, data.evaluation_text), seqlen, max_tokens, bos_id)
     make_cache = None if method is None else (lambda: method.make_cache(model))
     result = perplexity(model, windows, progress=progress, make_cache=make_cache)
     return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin,
-            "seqlen": seqlen, "tokens": int(windows.numel())}
+            "seqlen": seqlen, "tokens": int(windows.numel()), "bos": bos, "bos_token_id": bos_id}

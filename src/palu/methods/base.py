@@ -47,6 +47,11 @@ class CacheMethod:
         """Names the method's results (a path component): every field that changes a number."""
         raise NotImplementedError
 
+    def lineage(self) -> tuple[str, ...]:
+        """What the method's state was made from, as path components after its tag in a result
+        path (`naming.run_name`): a checkpoint's calibration settings, say. Default: nothing."""
+        return ()
+
     def install(self, model) -> None:
         """Change `model` in place for this method (default: nothing)."""
 

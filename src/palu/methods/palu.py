@@ -45,6 +45,10 @@ class Palu(CacheMethod):
     def tag(self) -> str:
         return self.manifest["tag"] + bits_tag(self.bits)
 
+    def lineage(self) -> tuple[str, ...]:
+        from ..pipeline.naming import lineage_of   # naming imports this module
+        return lineage_of(self.manifest)
+
     def install(self, model) -> None:
         self._manifest = load_compressed(model, self.checkpoint)
 

@@ -2,7 +2,8 @@
 
 The Snakefile only expands what this module returns, so a Python user can enumerate the same
 runs without Snakemake. A run is a KV-cache method (conf/method/) evaluated on the grid's
-corpora; its results live at `naming.metrics_path(..., run.tag, ...)`.
+corpora; runs are keyed by their `naming.run_name` (the method's tag, then the calibration it
+was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ class Grid:
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
         self.device = config.get("device", "cpu")
         cal, fis = config["calibration"], config["fisher"]
-        self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"])
+        self.dtype = self.model_conf().dtype
+        self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
+                                           self.dtype, cal.get("bos", "auto"))
         self.ftag = naming.fisher_tag(fis["samples"], fis["seqlen"], fis["seed"])
 
     @classmethod
@@ -58,6 +61,12 @@ class Grid:
         return cls(yaml.safe_load(Path(path).read_text()))
 
     # ---- parameters --------------------------------------------------------------------------
+    def model_conf(self):
+        path = Path(CONF_DIR) / "model" / f"{self.model}.yaml"
+        if not path.is_file():
+            raise ValueError(f"grid model {self.model!r}: no {path}")
+        return OmegaConf.merge({"dtype": "float32"}, OmegaConf.load(path))
+
     def kv_heads(self) -> int:
         return self._kv_heads
 
@@ -67,8 +76,7 @@ class Grid:
         # Snakemake asks for the runs in every input function
         from ..models.adapters import geometry_of
         from ..models.loading import load_config
-        model_id = naming.model_source(self.work, self.model,
-                                       OmegaConf.load(Path(CONF_DIR) / "model" / f"{self.model}.yaml").id)
+        model_id = naming.model_source(self.work, self.model, self.model_conf().id)
         return geometry_of(load_config(model_id)).num_kv_heads
 
     def group_sizes(self, value) -> list[int]:
@@ -84,6 +92,8 @@ class Grid:
                 f"paths.work={self.work}", f"paths.results={self.results}",
                 f"calibration.corpus={cal['corpus']}", f"calibration.samples={cal['samples']}",
                 f"calibration.seqlen={cal['seqlen']}", f"calibration.seed={cal['seed']}",
+                f"calibration.bos={cal.get('bos', 'auto')}", f"data.bos={self.c['eval'].get('bos', 'auto')}",
+                f"data.calibration_fraction={self.c['eval'].get('calibration_fraction', 0.3)}",
                 f"fisher.samples={fis['samples']}", f"fisher.seqlen={fis['seqlen']}",
                 f"fisher.seed={fis['seed']}", f"palu.rank_multiple={self.c['rank_multiple']}"]
 
@@ -140,31 +150,44 @@ class Grid:
                 "latent_bits": self.latent_bits_specs}[table]()
 
     def runs(self) -> dict[str, PaluSpec | dict | None]:
-        """Every method run of the grid by its tag (None: the FP16 baseline; a dict: a method of
-        the grid's `methods:` list)."""
+        """Every method run of the grid by its run name (None: the FP16 baseline; a dict: a
+        method of the grid's `methods:` list)."""
         return dict(self._runs)
+
+    def run_name(self, spec: PaluSpec) -> str:
+        """A Palu run's name: what `naming.lineage_of` gives for the checkpoint it will load."""
+        return naming.run_name(spec.tag, naming.palu_lineage(self.ctag, self.ftag, spec.rank_method,
+                                                             self.c["rank_multiple"]))
 
     @cached_property
     def _runs(self) -> dict[str, PaluSpec | dict | None]:
         out: dict[str, PaluSpec | dict | None] = {"fp16": None, **self.method_runs()}
         for table in self.tables():
-            out.update({s.tag: s for s in self.specs(table)})
+            out.update({self.run_name(s): s for s in self.specs(table)})
         return out
 
     # ---- paths ---------------------------------------------------------------------------------
-    def metrics(self, method_tag: str) -> list[str]:
+    def metrics(self, run: str) -> list[str]:
         ev = self.c["eval"]
-        return [str(naming.metrics_path(self.results, self.model, method_tag, corpus, ev["seqlen"],
-                                        ev.get("max_tokens")))
+        return [str(naming.metrics_path(self.results, self.model, run, corpus, ev["seqlen"],
+                                        ev.get("max_tokens"), self.dtype,
+                                        ev.get("calibration_fraction", 0.3), ev.get("bos", "auto")))
                 for corpus in ev["corpora"]]
+
+    def evaluation_pattern(self) -> str:
+        """The evaluate rule's output, with {run} {corpus} {seqlen} {tokens} wildcards."""
+        ev = self.c["eval"]
+        return str(naming.metrics_path(self.results, self.model, "{run}", "{corpus}", "{seqlen}",
+                                       "{tokens}", self.dtype, ev.get("calibration_fraction", 0.3),
+                                       ev.get("bos", "auto")))
 
     def table_inputs(self, table: str) -> list[str]:
         paths = self.metrics("fp16")
         if table == "baseline":
-            for tag in self.method_runs():
-                paths += self.metrics(tag)
+            for run in self.method_runs():
+                paths += self.metrics(run)
         for spec in self.specs(table):
-            paths += self.metrics(spec.tag)
+            paths += self.metrics(self.run_name(spec))
         return paths
 
     def ranks_file(self, spec: PaluSpec) -> str:
@@ -180,13 +203,13 @@ class Grid:
         return str(naming.prepared_model_dir(self.work, self.model))
 
     # ---- what a run needs ----------------------------------------------------------------------
-    def run_inputs(self, tag: str) -> list[str]:
-        spec = self._run(tag)
+    def run_inputs(self, run: str) -> list[str]:
+        spec = self._run(run)
         return [self.prepared_model()] + ([self.checkpoint(spec)] if isinstance(spec, PaluSpec) else [])
 
-    def run_overrides(self, tag: str) -> str:
-        """The Hydra overrides that select run `tag`'s method (and its palu.* settings)."""
-        spec = self._run(tag)
+    def run_overrides(self, run: str) -> str:
+        """The Hydra overrides that select `run`'s method (and its palu.* settings)."""
+        spec = self._run(run)
         if spec is None:
             return "method=fp16"
         if isinstance(spec, dict):
@@ -195,11 +218,11 @@ class Grid:
         return " ".join(spec.overrides() + ["method=palu", f"method.checkpoint={self.checkpoint(spec)}",
                                             f"method.bits={spec.bits}"])
 
-    def _run(self, tag: str) -> PaluSpec | dict | None:
+    def _run(self, run: str) -> PaluSpec | dict | None:
         runs = self.runs()
-        if tag not in runs:
-            raise ValueError(f"run {tag!r} is not in the grid; its runs: {sorted(runs)}")
-        return runs[tag]
+        if run not in runs:
+            raise ValueError(f"run {run!r} is not in the grid; its runs: {sorted(runs)}")
+        return runs[run]
 
     def decompose_overrides(self, spec: PaluSpec) -> str:
         return " ".join(spec.overrides())

@@ -28,8 +28,17 @@ def model_source(work: str, model: str, model_id: str) -> str:
     return str(prepared) if (prepared / "config.json").is_file() else model_id
 
 
-def calibration_tag(corpus: str, samples: int, seqlen: int, seed: int) -> str:
-    return f"{corpus}-n{samples}-L{seqlen}-s{seed}"
+def bos_tag(bos: str) -> str:
+    # `auto` follows the model's own tokenizer, so the model in the path already fixes it; an
+    # explicit choice that may differ from the model's convention is named
+    return "" if bos == "auto" else f"-bos_{bos}"
+
+
+def calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, dtype: str = "float32",
+                    bos: str = "auto") -> str:
+    """Every setting that changes the calibration statistics (and so every checkpoint made from
+    them): corpus, windows, seed, the dtype the model ran in, the BOS choice."""
+    return f"{corpus}-n{samples}-L{seqlen}-s{seed}-{dtype}{bos_tag(bos)}"
 
 
 def fisher_tag(samples: int, seqlen: int, seed: int) -> str:
@@ -66,16 +75,52 @@ def checkpoint_dir(work: str, model: str, ctag: str, ftag: str, tag: str, multip
     return Path(work) / "palu" / model / ctag / ftag / f"{tag}-m{multiple}"
 
 
-def metrics_path(results: str, model: str, method_tag: str, corpus: str, seqlen: int,
-                 max_tokens: int | None) -> Path:
-    return (Path(results) / "runs" / model / method_tag /
-            f"ppl-{corpus}-L{seqlen}-T{tokens_tag(max_tokens)}.json")
+def lineage_of(manifest: dict) -> tuple[str, ...]:
+    """What a Palu checkpoint was made from, as path components: its calibration and Fisher
+    settings and rank multiple (pipeline checkpoints), else the sha256 of its factors (a
+    checkpoint saved by `palu.compress(...).save`, whose calibration has no name)."""
+    settings = manifest.get("settings") or {}
+    cal, allocation = settings.get("calibration"), manifest["allocation"]
+    if not cal:
+        return (f"checkpoint-{manifest['files']['factors.safetensors'][:12]}",)
+    ctag = calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
+                           settings.get("calibration_dtype", "float32"), cal.get("bos", "auto"))
+    fisher = settings["fisher"]
+    ftag = ("no-fisher" if allocation["method"] == "uniform"
+            else fisher_tag(fisher["samples"], fisher["seqlen"], fisher["seed"]))
+    return (ctag, f"{ftag}-m{allocation['multiple']}")
+
+
+def run_name(method_tag: str, lineage: tuple[str, ...] = ()) -> str:
+    """A run's folder under results/runs/<model>/: the method's tag, then what it was made from."""
+    return "/".join((method_tag, *lineage))
+
+
+def palu_lineage(ctag: str, ftag: str, rank_method: str, multiple: int | str) -> tuple[str, ...]:
+    """`lineage_of` for a checkpoint the pipeline is about to make (the grid's side)."""
+    return (ctag, f"{'no-fisher' if rank_method == 'uniform' else ftag}-m{multiple}")
+
+
+def evaluation_tag(corpus: str, seqlen: int | str, max_tokens: int | str | None, dtype: str,
+                   calibration_fraction: float | str, bos: str = "auto") -> str:
+    """Every evaluation setting that changes a perplexity: corpus, window, token budget, the
+    model's dtype, the stand-ins' calibration / evaluation split, the BOS choice."""
+    return (f"ppl-{corpus}-L{seqlen}-T{tokens_tag(max_tokens)}-{dtype}"
+            f"-cf{fmt_ratio(calibration_fraction)}{bos_tag(bos)}")
+
+
+def metrics_path(results: str, model: str, run: str, corpus: str, seqlen: int | str,
+                 max_tokens: int | str | None, dtype: str = "float32",
+                 calibration_fraction: float | str = 0.3, bos: str = "auto") -> Path:
+    """results/runs/<model>/<run>/<evaluation tag>.json; `run` = `run_name(...)`."""
+    return (Path(results) / "runs" / model / run /
+            f"{evaluation_tag(corpus, seqlen, max_tokens, dtype, calibration_fraction, bos)}.json")
 
 
 # ---- the same names from a validated step config (what the entry points call) ------------------
 def calibration_tag_of(cfg) -> str:
     c = cfg.calibration
-    return calibration_tag(c.corpus, c.samples, c.seqlen, c.seed)
+    return calibration_tag(c.corpus, c.samples, c.seqlen, c.seed, cfg.model.dtype, c.bos)
 
 
 def fisher_tag_of(cfg) -> str:
@@ -102,6 +147,20 @@ def checkpoint_dir_of(cfg) -> Path:
     tag = checkpoint_tag(p.decomposition, p.rank_method, p.kept_ratio, p.group_size)
     return checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg),
                           fisher_tag_of(cfg), tag, p.rank_multiple, p.rank_method)
+
+
+def by_hand(work: str) -> Path:
+    """Where a step run by hand (without `out=`) writes its results: inside the work folder, so
+    it never replaces a committed result of the pipeline (which always passes `out=`)."""
+    return Path(work) / "results"
+
+
+def metrics_path_of(cfg, method) -> Path:
+    """A step config's result file for `method` when run by hand (a Palu method reads its
+    checkpoint's manifest for the lineage): `by_hand` + the pipeline's layout."""
+    d = cfg.data
+    return metrics_path(str(by_hand(cfg.paths.work)), cfg.model.name, run_name(method.tag, method.lineage()),
+                        d.corpus, d.seqlen, d.max_tokens, cfg.model.dtype, d.calibration_fraction, d.bos)
 
 
 def log_path(work: str, step: str, name: str) -> Path:
