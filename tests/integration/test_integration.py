@@ -64,3 +64,14 @@ def test_compressed_smollm2_generates_and_stores_half_the_cache(smollm):
     latent = prefill_nbytes(model, _InMemoryPalu(), ids)
     assert latent["metadata"] == 200 * 4 * base.config.num_hidden_layers   # int32 positions
     assert latent["data"] == dense["data"] // 2
+
+
+def test_smollm2_takes_no_bos_and_stops_at_im_end(smollm):
+    """Issue 20: `data.bos: auto` leaves SmolLM2's windows as they were (its tokenizer adds no
+    BOS, so the committed numbers hold), and the prepared tokenizer's EOS is the model's
+    (<|im_end|>, 2), not the GGUF conversion's <|im_start|>."""
+    from palu.data.windows import bos_token_for
+    model, tok, _ = smollm
+    assert bos_token_for(tok, "auto") is None
+    assert tok.eos_token_id == model.config.eos_token_id == 2
+    assert tok.convert_ids_to_tokens(2) == "<|im_end|>"
