@@ -38,7 +38,7 @@ class DataConfig:
     seqlen: int = 2048
     max_tokens: Optional[int] = None    # evaluate only the first windows covering this many tokens
     calibration_fraction: float = 0.3
-    bos: str = "auto"                   # each window starts with BOS: auto (as the tokenizer does) | always | never
+    bos: str = "auto"                   # windows start with BOS: auto (as the tokenizer) | always | never
 
 
 @dataclass

@@ -59,7 +59,8 @@ def nonfinite_keys(obj: Any, where: str = "") -> list[str]:
     if isinstance(obj, float):
         return [] if math.isfinite(obj) else [where or "<value>"]
     if isinstance(obj, dict):
-        return [k for key, v in obj.items() for k in nonfinite_keys(v, f"{where}.{key}" if where else str(key))]
+        return [k for key, v in obj.items()
+                for k in nonfinite_keys(v, f"{where}.{key}" if where else str(key))]
     if isinstance(obj, (list, tuple)):
         return [k for i, v in enumerate(obj) for k in nonfinite_keys(v, f"{where}[{i}]")]
     return []

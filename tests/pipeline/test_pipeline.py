@@ -44,7 +44,7 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     # The grid's name for each run (its result path) is the one evaluate derived from the
     # checkpoint's own manifest: calibration, Fisher and rank multiple included.
     runs = sorted((results / "runs").rglob("ppl-*.json"))
-    assert len(runs) >= 8
+    assert len(runs) >= 5   # the small grid: fp16 and four Palu runs on one corpus
     for path in runs:
         run = json.loads(path.read_text())["metrics"]["run"]
         assert path.parent == results / "runs" / "smollm2-135m" / run, (path, run)

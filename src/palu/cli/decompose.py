@@ -38,8 +38,9 @@ def run(cfg) -> str:
                 "fisher_samples": cfg.fisher.samples if p.rank_method != "uniform" else 0,
                 "decompose_seconds": time.perf_counter() - start,
                 # lineage: the exact bytes this checkpoint was made from
-                "inputs": {"ranks": sha256_file(ranks),
-                           **({"gram": sha256_file(naming.gram_path_of(cfg))} if grams is not None else {})}}
+                "inputs": {"ranks": sha256_file(ranks)}}
+    if grams is not None:
+        settings["inputs"]["gram"] = sha256_file(naming.gram_path_of(cfg))
     manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings)
     out = cfg.out or str(naming.checkpoint_dir_of(cfg))
     save_compressed(out, factors, manifest)

@@ -176,6 +176,7 @@ def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
         raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
     if path and name in STANDINS:
         # a silently ignored path would evaluate the embedded text under the user's file's name
+        real = sorted(set(CORPORA) - set(STANDINS))
         raise ValueError(f"corpus {name!r} is embedded and takes no path, got path={path!r}; "
-                         f"files of your own need a real corpus ({sorted(set(CORPORA) - set(STANDINS))})")
+                         f"files of your own need a real corpus ({real})")
     return CORPORA[name](path=path, **options)

@@ -23,7 +23,8 @@ def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int 
     check_seqlen(model.config, seqlen)
     data = load_corpus(corpus, path=path, calibration_fraction=calibration_fraction)
     bos_id = bos_token_for(tokenizer, bos)
-    windows = evaluation_windows(tokenize(tokenizer, data.evaluation_text), seqlen, max_tokens, bos_id)
+    tokens = tokenize(tokenizer, data.evaluation_text)
+    windows = evaluation_windows(tokens, seqlen, max_tokens, bos_id)
     make_cache = None if method is None else (lambda: method.make_cache(model))
     result = perplexity(model, windows, progress=progress, make_cache=make_cache)
     return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin,

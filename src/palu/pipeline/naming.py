@@ -86,9 +86,8 @@ def lineage_of(manifest: dict) -> tuple[str, ...]:
     ctag = calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
                            settings.get("calibration_dtype", "float32"), cal.get("bos", "auto"))
     fisher = settings["fisher"]
-    ftag = ("no-fisher" if allocation["method"] == "uniform"
-            else fisher_tag(fisher["samples"], fisher["seqlen"], fisher["seed"]))
-    return (ctag, f"{ftag}-m{allocation['multiple']}")
+    ftag = fisher_tag(fisher["samples"], fisher["seqlen"], fisher["seed"])
+    return palu_lineage(ctag, ftag, allocation["method"], allocation["multiple"])
 
 
 def run_name(method_tag: str, lineage: tuple[str, ...] = ()) -> str:
@@ -97,7 +96,8 @@ def run_name(method_tag: str, lineage: tuple[str, ...] = ()) -> str:
 
 
 def palu_lineage(ctag: str, ftag: str, rank_method: str, multiple: int | str) -> tuple[str, ...]:
-    """`lineage_of` for a checkpoint the pipeline is about to make (the grid's side)."""
+    """A pipeline checkpoint's lineage, from the manifest (`lineage_of`) or from the grid before
+    the checkpoint exists: uniform ranks read no Fisher scores, so they name none."""
     return (ctag, f"{'no-fisher' if rank_method == 'uniform' else ftag}-m{multiple}")
 
 
@@ -159,8 +159,9 @@ def metrics_path_of(cfg, method) -> Path:
     """A step config's result file for `method` when run by hand (a Palu method reads its
     checkpoint's manifest for the lineage): `by_hand` + the pipeline's layout."""
     d = cfg.data
-    return metrics_path(str(by_hand(cfg.paths.work)), cfg.model.name, run_name(method.tag, method.lineage()),
-                        d.corpus, d.seqlen, d.max_tokens, cfg.model.dtype, d.calibration_fraction, d.bos)
+    run = run_name(method.tag, method.lineage())
+    return metrics_path(str(by_hand(cfg.paths.work)), cfg.model.name, run, d.corpus, d.seqlen,
+                        d.max_tokens, cfg.model.dtype, d.calibration_fraction, d.bos)
 
 
 def log_path(work: str, step: str, name: str) -> Path:
