@@ -17,7 +17,7 @@ from .calib.fisher import collect_fisher
 from .calib.gram import collect_grams
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
-from .decompose.checkpoint import checkpoint_tag, save_compressed, source_hash
+from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
 from .decompose.factors import decompose_model
 from .decompose.ranks import allocate
 from .models.adapters import geometry_of
@@ -45,8 +45,9 @@ class CompressionResult:
 
 def build_manifest(model, model_id: str, allocation: dict, decomposition: str, fuse: bool,
                    report: dict, settings: dict, base_hash: str | None = None) -> dict:
+    rotation = report.get("rotation", {"kind": "none", "seed": 0})
     tag = checkpoint_tag(decomposition, allocation["method"], allocation["kept_ratio_target"],
-                   allocation["group_size"])
+                         allocation["group_size"], rotation_tag(rotation["kind"], rotation["seed"]))
     errors = [e["rel_error"] for e in report.get("output_error", [])]
     return {
         "tag": tag, "fuse": fuse, "decomposition": decomposition, "allocation": allocation,
@@ -56,7 +57,7 @@ def build_manifest(model, model_id: str, allocation: dict, decomposition: str, f
         "summary": {"kept_ratio_target": allocation["kept_ratio_target"],
                     "kept_ratio_realised": allocation["kept_ratio_realised"],
                     "group_size": allocation["group_size"], "rank_method": allocation["method"],
-                    "decomposition": decomposition,
+                    "decomposition": decomposition, "rotation": rotation["kind"],
                     "mean_output_error": sum(errors) / len(errors) if errors else None,
                     **{k: v for k, v in settings.items() if not isinstance(v, dict)}},
     }
@@ -65,8 +66,11 @@ def build_manifest(model, model_id: str, allocation: dict, decomposition: str, f
 def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, group_size: int = 1,
              rank_method: str = "uniform", decomposition: str = "whitened", multiple: int = 8,
              fisher_windows: torch.Tensor | None = None, fuse: bool = True,
-             model_id: str = "unknown", progress: bool = True) -> CompressionResult:
-    """Compress `model` in place and return what is needed to save or inspect the result."""
+             model_id: str = "unknown", progress: bool = True, rotation: str = "none",
+             rotation_seed: int = 0) -> CompressionResult:
+    """Compress `model` in place and return what is needed to save or inspect the result.
+    `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
+    the same without quantisation, the latents' outliers are spread for a quantised cache."""
     geom = geometry_of(model.config)
     base_hash = source_hash(model)
     grams = collect_grams(model, calibration, progress)["gram"] if decomposition == "whitened" else None
@@ -75,7 +79,8 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         fisher = collect_fisher(model, fisher_windows if fisher_windows is not None else calibration,
                                 progress)["fisher"]
     allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher)
-    factors, report = decompose_model(model, allocation, grams, decomposition, progress)
+    factors, report = decompose_model(model, allocation, grams, decomposition, progress,
+                                      rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
                               base_hash=base_hash)
     install_palu(model, factors, group_size, fuse=fuse)

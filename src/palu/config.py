@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from .data.windows import BOS_SETTINGS
 from .decompose.factors import DECOMPOSITIONS
 from .decompose.ranks import RANK_METHODS
+from .decompose.rotation import ROTATIONS
 
 
 CONF_DIR = str(Path(__file__).resolve().parent / "conf")   # links to the top-level conf/
@@ -66,6 +67,8 @@ class PaluConfig:
     decomposition: str = "whitened"     # whitened | plain
     rank_multiple: int = 8
     fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)
+    rotation: str = "none"              # latent rotation fused into the factors: none | hadamard | random_orthogonal
+    rotation_seed: int = 0              # random_orthogonal (and ranks without a known Hadamard order)
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Config:
 _CHOICES = {
     "palu.rank_method": RANK_METHODS,
     "palu.decomposition": DECOMPOSITIONS,
+    "palu.rotation": ROTATIONS,
     "tracking.mode": ("offline", "online", "disabled"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),
     "data.bos": BOS_SETTINGS,

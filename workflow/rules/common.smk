@@ -23,6 +23,7 @@ wildcard_constraints:
     seqlen=r"\d+",
     tokens=r"\d+|all",
     run="|".join(re.escape(tag) for tag in GRID.runs()),
+    rot=r"(-rot_[a-z_]+-s0)?",
 
 
 def log(step, name):
@@ -38,4 +39,5 @@ def max_tokens(wildcards):
 
 
 def spec_of(w):
-    return PaluSpec(w.decomp, w.method, float(w.kept), int(w.group))
+    rotation = w.rot[len("-rot_"):-len("-s0")] if w.rot else "none"
+    return PaluSpec(w.decomp, w.method, float(w.kept), int(w.group), rotation=rotation)

@@ -36,11 +36,11 @@ rule decompose:
         ftag=f"no-fisher|{FTAG}",
     output:
         directory(str(naming.checkpoint_dir(W, M, CTAG, "{ftag}", naming.palu_tag(
-            "{decomp}", "{method}", "{kept}", "{group}"), MULT, "{method}"))),
+            "{decomp}", "{method}", "{kept}", "{group}", rotation="{rot}"), MULT, "{method}"))),
     log:
-        log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}"),
+        log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}"),
     benchmark:
-        bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}")
+        bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}")
     threads: workflow.cores
     params:
         palu=lambda w: GRID.decompose_overrides(spec_of(w)),

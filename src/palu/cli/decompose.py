@@ -30,7 +30,8 @@ def run(cfg) -> str:
         grams = load_file(str(gpath))["gram"]
     model, _ = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     start = time.perf_counter()
-    factors, report = decompose_model(model, allocation, grams, p.decomposition, cfg.progress)
+    factors, report = decompose_model(model, allocation, grams, p.decomposition, cfg.progress,
+                                      p.rotation, p.rotation_seed)
     settings = {"calibration": to_dict(cfg.calibration), "fisher": to_dict(cfg.fisher),
                 "calibration_samples": cfg.calibration.samples,
                 "calibration_seqlen": cfg.calibration.seqlen,

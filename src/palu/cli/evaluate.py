@@ -21,7 +21,8 @@ def check_matches_config(summary: dict, cfg) -> None:
     """The recorded `palu.*` config must describe the checkpoint that was evaluated (a method
     whose summary has none of these keys is not checked)."""
     wanted = {"kept_ratio_target": cfg.palu.kept_ratio, "group_size": cfg.palu.group_size,
-              "rank_method": cfg.palu.rank_method, "decomposition": cfg.palu.decomposition}
+              "rank_method": cfg.palu.rank_method, "decomposition": cfg.palu.decomposition,
+              "rotation": cfg.palu.rotation}
     bad = {k: (v, summary[k]) for k, v in wanted.items() if k in summary and summary[k] != v}
     if bad:
         detail = ", ".join(f"{k}: config {a!r} vs checkpoint {b!r}" for k, (a, b) in bad.items())

@@ -23,11 +23,17 @@ FORMAT_VERSION = 2   # 2: the manifest holds the sha256 of factors.safetensors
 FACTORS = "factors.safetensors"
 
 
-def checkpoint_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str) -> str:
+def rotation_tag(rotation: str, seed: int | str = 0) -> str:
+    """The suffix a latent rotation adds to a checkpoint's tag ('' for none)."""
+    return "" if rotation == "none" else f"-rot_{rotation}-s{seed}"
+
+
+def checkpoint_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str,
+                   rotation: str = "") -> str:
     """A checkpoint's name from the settings that make it (`kept_ratio` may be a Snakemake
-    wildcard string, passed through as written)."""
+    wildcard string, passed through as written; `rotation`: a `rotation_tag`)."""
     kept = kept_ratio if isinstance(kept_ratio, str) else f"{float(kept_ratio):g}"
-    return f"palu-{decomposition}-{rank_method}-k{kept}-g{group_size}"
+    return f"palu-{decomposition}-{rank_method}-k{kept}-g{group_size}{rotation}"
 
 
 class CheckpointError(ValueError):

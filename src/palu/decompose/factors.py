@@ -8,6 +8,7 @@ import torch
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 from .ranks import ranks_table
+from .rotation import ROTATIONS, rotate_layer
 from .svd import factorize, whitening
 
 DECOMPOSITIONS = ("whitened", "plain")
@@ -52,12 +53,15 @@ def _output_error(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch
 
 @torch.no_grad()
 def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
-                    method: str = "whitened", progress: bool = True
-                    ) -> tuple[list[LayerFactors], dict]:
+                    method: str = "whitened", progress: bool = True, rotation: str = "none",
+                    rotation_seed: int = 0) -> tuple[list[LayerFactors], dict]:
     """Factors for every layer (in `stored_dtype(model)`) plus a report (whitening method and
-    output error per block, computed in float64)."""
+    output error per block, computed in float64; the rotation's construction per block).
+    `rotation`: none | hadamard | random_orthogonal, fused into the factors (decompose/rotation.py)."""
     if method not in DECOMPOSITIONS:
         raise ValueError(f"decomposition {method!r} is not one of {DECOMPOSITIONS}")
+    if rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r} is not one of {list(ROTATIONS)}")
     if method == "whitened" and grams is None:
         raise ValueError("whitened decomposition needs calibration Gram matrices")
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
@@ -66,6 +70,7 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     ranks = ranks_table(allocation)
     rows = s * geom.head_dim
     factors, report = [], {"whitening": [], "output_error": []}
+    used: dict[str, int] = {}
     layers = adapter.layers(model)
     for l, layer in enumerate(steps(layers, "decompose", "layers", progress)):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
@@ -83,5 +88,8 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                 if grams is not None:
                     report["output_error"].append({"layer": l, "kind": kind, "group": g,
                                                    "rel_error": _output_error(Wg, A, B, grams[l])})
+        for how in rotate_layer(lf, l, rotation, rotation_seed):
+            used[how] = used.get(how, 0) + 1
         factors.append(lf.to(stored_dtype(model)))
+    report["rotation"] = {"kind": rotation, "seed": rotation_seed, "blocks": used}
     return factors, report

@@ -15,11 +15,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from ..config import CONF_DIR
+from ..decompose.checkpoint import rotation_tag
 from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
-         "device", "methods", "granularity", "rank_search", "latent_bits", "rank_figure", "memory"}
-TABLES = ("baseline", "granularity", "rank_search", "latent_bits")
+         "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
+         "memory"}
+TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard")
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,17 @@ class PaluSpec:
     kept_ratio: float
     group_size: int
     bits: int = 16
+    rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
 
     @property
     def tag(self) -> str:
         return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
-                               self.group_size, self.bits)
+                               self.group_size, self.bits, rotation_tag(self.rotation))
 
     def overrides(self) -> list[str]:
         return [f"palu.decomposition={self.decomposition}", f"palu.rank_method={self.rank_method}",
-                f"palu.kept_ratio={self.kept_ratio}", f"palu.group_size={self.group_size}"]
+                f"palu.kept_ratio={self.kept_ratio}", f"palu.group_size={self.group_size}"] + (
+            [] if self.rotation == "none" else [f"palu.rotation={self.rotation}", "palu.rotation_seed=0"])
 
 
 class Grid:
@@ -117,6 +121,15 @@ class Grid:
         return [PaluSpec(q["decomposition"], q["rank_method"], float(q["kept_ratio"]), group, int(b))
                 for b in q["bits"]]
 
+    def hadamard_specs(self) -> list[PaluSpec]:
+        """One checkpoint per rotation (J-LRD by default), its latents at each bit width."""
+        h = self.c.get("hadamard")
+        if not h:
+            return []
+        group = self.kv_heads() if h["group_size"] == "kv_heads" else int(h["group_size"])
+        return [PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]), group, int(b), r)
+                for r in h["rotations"] for b in h["bits"]]
+
     def method_runs(self) -> dict[str, dict]:
         """The grid's `methods:` list (method configs, as conf/method/ takes them) by tag: cache
         methods evaluated beside the FP16 baseline in the baseline table. A method is added to
@@ -147,7 +160,7 @@ class Grid:
         if table == "baseline":
             return []
         return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
-                "latent_bits": self.latent_bits_specs}[table]()
+                "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs}[table]()
 
     def runs(self) -> dict[str, PaluSpec | dict | None]:
         """Every method run of the grid by its run name (None: the FP16 baseline; a dict: a
@@ -195,7 +208,8 @@ class Grid:
                                      spec.kept_ratio, spec.group_size, self.c["rank_multiple"]))
 
     def checkpoint(self, spec: PaluSpec) -> str:
-        tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size)
+        tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size,
+                              rotation=rotation_tag(spec.rotation))
         return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, tag,
                                          self.c["rank_multiple"], spec.rank_method))
 

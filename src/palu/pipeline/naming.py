@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..decompose.checkpoint import checkpoint_tag
+from ..decompose.checkpoint import checkpoint_tag, rotation_tag
 from ..methods.palu import bits_tag
 
 
@@ -54,9 +54,10 @@ def fisher_path(work: str, model: str, ctag: str, ftag: str) -> Path:
 
 
 def palu_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str,
-             bits: int | str = 16) -> str:
-    """A Palu run's method tag: its checkpoint's tag (the library's) plus the latent bit width."""
-    return checkpoint_tag(decomposition, rank_method, kept_ratio, group_size) + bits_tag(bits)
+             bits: int | str = 16, rotation: str = "") -> str:
+    """A Palu run's method tag: its checkpoint's tag (the library's) plus the latent bit width
+    (`rotation`: a `rotation_tag`, or a wildcard pattern)."""
+    return checkpoint_tag(decomposition, rank_method, kept_ratio, group_size, rotation) + bits_tag(bits)
 
 
 def ranks_path(work: str, model: str, ctag: str, ftag: str, rank_method: str, kept_ratio: float,
@@ -144,7 +145,8 @@ def ranks_path_of(cfg) -> Path:
 
 def checkpoint_dir_of(cfg) -> Path:
     p = cfg.palu
-    tag = checkpoint_tag(p.decomposition, p.rank_method, p.kept_ratio, p.group_size)
+    tag = checkpoint_tag(p.decomposition, p.rank_method, p.kept_ratio, p.group_size,
+                         rotation_tag(p.rotation, p.rotation_seed))
     return checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg),
                           fisher_tag_of(cfg), tag, p.rank_multiple, p.rank_method)
 

@@ -10,7 +10,7 @@ from ..io import read_json, write_text
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
-           "calibration_samples", "calibration_seqlen", "fisher_samples", "kv_bits", "dtype", "ppl"]
+           "rotation", "calibration_samples", "calibration_seqlen", "fisher_samples", "kv_bits", "dtype", "ppl"]
 
 
 def granularity_name(group_size, num_kv_heads) -> str:
@@ -35,6 +35,7 @@ def run_row(path: str | Path) -> dict:
         "group_size": m.get("group_size"),
         "granularity": granularity_name(m.get("group_size"), m.get("num_kv_heads")),
         "rank_method": m.get("rank_method", "-"), "decomposition": m.get("decomposition", "-"),
+        "rotation": m.get("rotation", "none"),
         "calibration_samples": m.get("calibration_samples", 0),
         "calibration_seqlen": m.get("calibration_seqlen", 0),
         "fisher_samples": m.get("fisher_samples", 0),
