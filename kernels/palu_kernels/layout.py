@@ -7,7 +7,12 @@ is the same memory seen through `as_groups` without a copy.
 Quantised latents (``bits`` in {2, 4, 8}): asymmetric min-max per token and group, packed along
 the rank so that byte ``c`` holds elements ``c + k * rank / per_byte`` for ``k < per_byte``
 (``per_byte = 8 // bits``) in bits ``k*bits .. k*bits + bits - 1``. A kernel therefore dequantises
-``per_byte`` contiguous slices of the rank without any interleaving. Scales and zero points are
+``per_byte`` contiguous slices of the rank without any interleaving.
+
+3-bit latents (torch path only; the decode kernels take 2 / 4 / 8): eight elements
+``c + k * rank / 8`` (k < 8) form the 24-bit word ``Σ_k q_k << 3k``, stored as three byte planes
+side by side: byte ``c`` (bits 0-7), ``c + rank / 8`` (bits 8-15), ``c + 2 rank / 8`` (bits
+16-23) — 3 bytes per 8 values, ``3 * rank / 8`` bytes per token and group. Scales and zero points are
 fp16 tensors ``[batch, groups, tokens]``; a latent is ``(n - zero) * scale``, the zero point an
 integer in [-1024, 1024 + levels] (outside [0, levels] only for tokens whose latents share a sign).
 """
@@ -17,7 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
+KERNEL_BITS = (2, 4, 8)   # what the Triton decode / quantise kernels read and write
+
+
+def pack_unit(bits: int) -> int:
+    """Elements packed together: the rank must be a multiple of it."""
+    return 8 if bits == 3 else 8 // bits
+
+
+def packed_width(rank: int, bits: int) -> int:
+    """Bytes per token and group of `rank` latents at `bits`."""
+    return rank * bits // 8
 MIN_SCALE = 2.0 ** -14   # smallest normal fp16: a constant row must not get a zero scale
 ZERO_LIMIT = 1024.0      # |zero point| bound: integers up to 2048 are exact in fp16
 
@@ -46,9 +62,9 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     """Per-token, per-group asymmetric min-max quantisation of [B, G, T, R] latents, packed."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} is not one of {SUPPORTED_BITS}")
-    per_byte, R = 8 // bits, h.shape[-1]
-    if R % per_byte:
-        raise ValueError(f"rank {R} is not a multiple of {per_byte} ({bits}-bit packing)")
+    unit, R = pack_unit(bits), h.shape[-1]
+    if R % unit:
+        raise ValueError(f"rank {R} is not a multiple of {unit} ({bits}-bit packing)")
     levels = 2 ** bits - 1
     hf = h.float()
     lo, hi = hf.amin(-1), hf.amax(-1)
@@ -62,15 +78,26 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     scale = scale.clamp_min(MIN_SCALE).half()
     zero = torch.floor(-lo / scale.float() + 0.5).half()
     q = torch.floor(hf / scale.float()[..., None] + zero.float()[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
-    parts = q.split(R // per_byte, dim=-1)
-    packed = torch.zeros_like(parts[0])
-    for k, part in enumerate(parts):
-        packed |= part << (k * bits)
+    parts = q.split(R // unit, dim=-1)
+    if bits == 3:
+        word = torch.zeros(parts[0].shape, dtype=torch.int32, device=q.device)
+        for k, part in enumerate(parts):
+            word |= part.to(torch.int32) << (3 * k)
+        packed = torch.cat([((word >> s) & 255).to(torch.uint8) for s in (0, 8, 16)], -1)
+    else:
+        packed = torch.zeros_like(parts[0])
+        for k, part in enumerate(parts):
+            packed |= part << (k * bits)
     return QuantLatent(packed.contiguous(), scale.contiguous(), zero.contiguous(), bits, R)
 
 
 def dequantize_latent(q: QuantLatent, dtype=torch.float16) -> torch.Tensor:
-    per_byte, mask = 8 // q.bits, 2 ** q.bits - 1
-    parts = [((q.data >> (k * q.bits)) & mask) for k in range(per_byte)]
+    if q.bits == 3:
+        b0, b1, b2 = (p.to(torch.int32) for p in q.data.split(q.data.shape[-1] // 3, dim=-1))
+        word = b0 | (b1 << 8) | (b2 << 16)
+        parts = [(word >> (3 * k)) & 7 for k in range(8)]
+    else:
+        per_byte, mask = 8 // q.bits, 2 ** q.bits - 1
+        parts = [((q.data >> (k * q.bits)) & mask) for k in range(per_byte)]
     ints = torch.cat(parts, -1).float()
     return ((ints - q.zero.float()[..., None]) * q.scale.float()[..., None]).to(dtype)

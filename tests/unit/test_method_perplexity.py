@@ -47,7 +47,7 @@ def _token_by_token(model, method, windows):
     return math.exp(nll / count), torch.stack(logits)
 
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+@pytest.mark.parametrize("bits", [16, 8, 4, 3, 2])
 def test_one_pass_perplexity_equals_decoding_through_the_cache(checkpoint, bits):
     base, path = checkpoint
     method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
@@ -67,14 +67,14 @@ def test_latent_bits_change_the_perplexity(checkpoint):
     base, path = checkpoint
     windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(6))
     ppl = {}
-    for bits in (16, 8, 4, 2):
+    for bits in (16, 8, 4, 3, 2):
         method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
         model = copy.deepcopy(base)
         method.install(model)
         ppl[bits] = perplexity(model, windows, progress=False,
                                make_cache=lambda: method.make_cache(model))["ppl"]
     # every quantised width moves the number, and 2 bits moves it more than 8 bits
-    for bits in (8, 4, 2):
+    for bits in (8, 4, 3, 2):
         assert abs(ppl[bits] - ppl[16]) > 1e-7 * ppl[16], ppl
     assert abs(ppl[2] - ppl[16]) > abs(ppl[8] - ppl[16]), ppl
 

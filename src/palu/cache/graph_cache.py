@@ -20,7 +20,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, dequantize_latent, quantize_latent
+from palu_kernels.layout import KERNEL_BITS, QuantLatent, dequantize_latent, quantize_latent
 from ..models.adapters import sliding_window_of
 from .protocol import causal_mask, check_latent_model
 from .slots import slot_buffer, slot_nbytes, slot_range
@@ -131,8 +131,9 @@ class GraphLatentCache(Cache):
     """
 
     def __init__(self, model, max_tokens: int, batch: int = 1, bits: int | None = None):
-        if bits is not None and bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
+        if bits is not None and bits not in KERNEL_BITS:
+            raise ValueError(f"bits={bits!r} is not one of {KERNEL_BITS} (or None: unquantised); "
+                             "3-bit latents: use palu.LatentCache (torch path)")
         for name, value in (("max_tokens", max_tokens), ("batch", batch)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")

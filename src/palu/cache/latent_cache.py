@@ -5,7 +5,7 @@ works. Per layer it keeps `keys` (B, 1, T, R_k) and `values` (B, 1, T, R_v) — 
 groups side by side (groups may have different ranks) — plus the token positions (B, T) that
 RoPE needs when keys are rebuilt.
 
-`LatentCache(model, bits=4)` (or 2, 8) stores the latents quantised per token and group in the
+`LatentCache(model, bits=4)` (or 2, 3, 8; 3-bit is read by the torch path only) stores the latents quantised per token and group in the
 packed layout of `palu_kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
 decode kernels read it as it is; the torch path gets the dequantised latents.
@@ -22,7 +22,8 @@ import itertools
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent, quantize_latent
+from palu_kernels.layout import (KERNEL_BITS, SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent,
+                                 packed_width, quantize_latent)
 
 from .protocol import causal_mask, check_latent_model
 
@@ -45,11 +46,12 @@ def _quantize_groups(h, ranks, bits):
 
 
 def _dequantize_groups(data, sz, ranks, bits, dtype):
-    per, out, off = 8 // bits, [], 0
+    out, off = [], 0
     for g, r in enumerate(ranks):
-        q = QuantLatent(data[..., off:off + r // per], sz[:, None, :, g, 0], sz[:, None, :, g, 1], bits, r)
+        w = packed_width(r, bits)
+        q = QuantLatent(data[..., off:off + w], sz[:, None, :, g, 0], sz[:, None, :, g, 1], bits, r)
         out.append(dequantize_latent(q, dtype)[:, 0])
-        off += r // per
+        off += w
     return torch.cat(out, -1)
 
 
@@ -107,7 +109,7 @@ class LatentLayer(DynamicLayer):
         (`palu_kernels.quantize`, bit-identical to the torch path's ~20 small kernels per group)."""
         B, n, _ = h.shape
         G, per = len(ranks), 8 // self.bits
-        if _use_quantize_kernel(h) and len(set(ranks)) == 1:
+        if _use_quantize_kernel(h) and len(set(ranks)) == 1 and self.bits in KERNEL_BITS:
             from palu_kernels.quantize import quantize_into   # imports triton: only where it runs
             packed = self._extend(data, getattr(self, data), (B, 1, n, sum(ranks) // per), 2,
                                   torch.uint8, h.device)
@@ -253,7 +255,7 @@ class _StoredLatentLayer:
 
 
 class LatentCache(Cache):
-    """One LatentLayer per decoder layer of `model` (or `num_layers`); `bits` in (2, 4, 8)
+    """One LatentLayer per decoder layer of `model` (or `num_layers`); `bits` in (2, 3, 4, 8)
     stores the latents quantised (per token and group, packed), None keeps them as computed.
 
     Sliding-window models: every token's latents are kept and the model's window mask (which

@@ -12,7 +12,7 @@ TITLES = {
     "baseline": "Baseline perplexity (unmodified model)",
     "granularity": "Palu granularity: M-LRD / G-LRD / J-LRD x kept ratio (uniform ranks)",
     "rank_search": "Palu rank allocation: uniform vs fisher vs fisher_uniform (vs our tempered fisher_sqrt)",
-    "latent_bits": "Palu latents stored at 16 / 8 / 4 / 2 bits (per-token, per-group min-max quantisation)",
+    "latent_bits": "Palu latents stored at 16 / 8 / 4 / 3 / 2 bits (per-token, per-group min-max quantisation)",
     "hadamard": "Latent rotation fused into the factors (none / Walsh-Hadamard / random orthogonal) x latent bits",
 }
 FIGURES = {"rank_allocation": rank_allocation_from_file}

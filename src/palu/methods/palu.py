@@ -2,7 +2,7 @@
 low-rank latents (optionally quantised per token and group), never the full keys and values.
 
 The factors come from a compressed checkpoint (`palu.compress(...).save(path)` or the pipeline's
-decompose step); `bits` 8 / 4 / 2 stores the latents packed with fp16 scales and zero points,
+decompose step); `bits` 8 / 4 / 3 / 2 stores the latents packed with fp16 scales and zero points,
 exactly as `palu.LatentCache(model, bits=...)` does during generation.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ..cache.latent_cache import LatentCache
 from ..decompose.checkpoint import load_compressed, read_manifest
 from .base import CacheMethod, MethodError
 
-BITS = (16, 8, 4, 2)   # 16: latents kept in the model's dtype
+BITS = (16, 8, 4, 3, 2)   # 16: latents kept in the model's dtype; 3: torch path (no kernels)
 
 
 def bits_tag(bits: int) -> str:
@@ -26,7 +26,7 @@ def bits_tag(bits: int) -> str:
 class Palu(CacheMethod):
     name = "palu"
     checkpoint: Optional[str] = None     # compressed checkpoint folder
-    bits: int = 16                       # latent storage: 16 (model dtype) or 8 / 4 / 2-bit
+    bits: int = 16                       # latent storage: 16 (model dtype) or 8 / 4 / 3 / 2-bit
     _manifest: dict = field(default=None, init=False, repr=False, compare=False)
 
     def check(self) -> None:
