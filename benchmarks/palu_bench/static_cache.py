@@ -14,7 +14,7 @@ import os
 import torch
 
 from palu.cache.slots import slot_buffer, slot_nbytes, slot_range
-from palu_kernels.layout import SUPPORTED_BITS, QuantLatent, quantize_latent
+from palu_kernels.layout import KERNEL_BITS, QuantLatent, quantize_latent
 from palu_kernels.quantize import quantize_into
 
 
@@ -23,8 +23,8 @@ class StaticLatentCache:
 
     def __init__(self, layers: int, batch: int, groups: int, max_tokens: int, rank_k: int,
                  rank_v: int, bits: int = 16, device="cpu", dtype=torch.float16):
-        if bits != 16 and bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={bits} must be 16 (no quantisation) or one of {SUPPORTED_BITS}")
+        if bits != 16 and bits not in KERNEL_BITS:   # the kernels read it in place
+            raise ValueError(f"bits={bits} must be 16 (no quantisation) or one of {KERNEL_BITS}")
         for name, value in (("layers", layers), ("batch", batch), ("groups", groups),
                             ("max_tokens", max_tokens), ("rank_k", rank_k), ("rank_v", rank_v)):
             if value < 1:

@@ -200,8 +200,8 @@ def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monk
 
 
 def test_latent_cache_rejects_an_unsupported_width():
-    with pytest.raises(ValueError, match="bits=3 is not one of"):
-        palu.LatentCache(num_layers=1, bits=3)
+    with pytest.raises(ValueError, match="bits=5 is not one of"):
+        palu.LatentCache(num_layers=1, bits=5)
 
 
 def test_packed_cache_follows_beam_search_and_crop():

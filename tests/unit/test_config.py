@@ -39,7 +39,7 @@ def test_every_option_of_every_group_composes_and_validates(group):
     ("palu.rank_method=fishr", "palu.rank_method"),
     ("tracking.mode=sometimes", "tracking.mode"),
     ("method=palu", "method.checkpoint"),
-    (["method=palu", "method.checkpoint=x", "method.bits=3"], "method.bits"),
+    (["method=palu", "method.checkpoint=x", "method.bits=5"], "method.bits"),
     ("device=gpu", "device"),
 ])
 def test_out_of_range_values_name_the_key(override, key):

@@ -32,8 +32,8 @@ def test_unknown_method_and_unknown_field_are_named():
         build_method({"name": "kivi2"})
     with pytest.raises(MethodError, match=r"no field\(s\) \['bitz'\]"):
         build_method({"name": "palu", "checkpoint": "x", "bitz": 4})
-    with pytest.raises(MethodError, match="method.bits=3"):
-        build_method({"name": "palu", "checkpoint": "x", "bits": 3})
+    with pytest.raises(MethodError, match="method.bits=5"):
+        build_method({"name": "palu", "checkpoint": "x", "bits": 5})
 
 
 def test_palu_tag_carries_the_bit_width(tmp_path):
