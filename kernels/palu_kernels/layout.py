@@ -12,8 +12,9 @@ the rank so that byte ``c`` holds elements ``c + k * rank / per_byte`` for ``k <
 3-bit latents (torch path only; the decode kernels take 2 / 4 / 8): eight elements
 ``c + k * rank / 8`` (k < 8) form the 24-bit word ``Σ_k q_k << 3k``, stored as three byte planes
 side by side: byte ``c`` (bits 0-7), ``c + rank / 8`` (bits 8-15), ``c + 2 rank / 8`` (bits
-16-23) — 3 bytes per 8 values, ``3 * rank / 8`` bytes per token and group. Scales and zero points are
-fp16 tensors ``[batch, groups, tokens]``; a latent is ``(n - zero) * scale``, the zero point an
+16-23) — 3 bytes per 8 values, ``3 * rank / 8`` bytes per token and group.
+
+At every width, scales and zero points are fp16 tensors ``[batch, groups, tokens]``; a latent is ``(n - zero) * scale``, the zero point an
 integer in [-1024, 1024 + levels] (outside [0, levels] only for tokens whose latents share a sign).
 """
 from __future__ import annotations

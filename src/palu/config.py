@@ -148,13 +148,13 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     if not (0.0 < merged.data.calibration_fraction < 1.0):
         raise ConfigError(f"data.calibration_fraction={merged.data.calibration_fraction!r} "
                           "must lie in (0, 1)")
-    from .data.corpora import STANDINS
+    from .data.corpora import STANDINS, real_corpora
     for part in ("data", "calibration"):
         section = merged[part]
         if section.path and section.corpus in STANDINS:
             raise ConfigError(f"{part}.path={section.path!r} cannot be used with the embedded corpus "
                               f"{part}.corpus={section.corpus!r} (it reads no files); choose a real "
-                              f"corpus (wikitext2, c4, ptb) for files of your own")
+                              f"corpus ({real_corpora()}) for files of your own")
     if merged.device != "cpu" and not merged.device.startswith("cuda"):
         raise ConfigError(f"device={merged.device!r} must be 'cpu' or 'cuda[:N]'")
     method_of(merged)

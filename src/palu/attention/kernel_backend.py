@@ -22,8 +22,9 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
     packed width, None for unquantised latents)."""
     if x.shape[1] != 1:
         return "prefill (more than one query token)"
-    if bits is not None and bits not in (2, 4, 8):
-        return f"{bits}-bit latents (the kernels read 2 / 4 / 8-bit)"
+    from palu_kernels.layout import KERNEL_BITS
+    if bits is not None and bits not in KERNEL_BITS:
+        return f"{bits}-bit latents (the kernels read {KERNEL_BITS})"
     if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:
         return "ranks differ between groups"
     per = 1 if bits is None else 8 // bits

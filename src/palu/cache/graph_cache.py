@@ -139,10 +139,11 @@ class GraphLatentCache(Cache):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         modules = check_latent_model(model, "GraphLatentCache")
         n_layers = model.config.num_hidden_layers
-        if sliding_window_of(model.config) is not None:
+        window = sliding_window_of(model.config)
+        if window is not None:
             # its decode mask is the row's length alone: a window would be silently ignored
-            raise ValueError(f"GraphLatentCache has no sliding-window attention (the model's window is "
-                             f"{sliding_window_of(model.config)} tokens); use palu.LatentCache")
+            raise ValueError(f"GraphLatentCache has no sliding-window attention (the model's window "
+                             f"is {window} tokens); use palu.LatentCache")
         self.max_tokens, self.batch, self.bits = max_tokens, batch, bits
         self.seen = 0              # tokens stored (host): advanced by eager steps, set by GraphDecoder
         self.view_tokens: int | None = None   # slots the kernels read while a graph is captured

@@ -5,10 +5,11 @@ works. Per layer it keeps `keys` (B, 1, T, R_k) and `values` (B, 1, T, R_v) — 
 groups side by side (groups may have different ranks) — plus the token positions (B, T) that
 RoPE needs when keys are rebuilt.
 
-`LatentCache(model, bits=4)` (or 2, 3, 8; 3-bit is read by the torch path only) stores the latents quantised per token and group in the
+`LatentCache(model, bits=4)` (or 2, 3, 8) stores the latents quantised per token and group in the
 packed layout of `palu_kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
-decode kernels read it as it is; the torch path gets the dequantised latents.
+decode kernels read 2 / 4 / 8-bit latents as they are; the torch path (and 3-bit) gets them
+dequantised.
 
 Appending a decode step copies only the new token: every per-token tensor is a prefix view of a
 buffer with spare room (`LatentLayer._append`), grown by max(256 tokens, 1/8) when full. A

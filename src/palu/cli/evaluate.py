@@ -47,7 +47,8 @@ def run(cfg) -> dict:
     summary = method.summary()
     check_matches_config(summary, cfg)
     # the result path's parts: one W&B run per result file, resumed by a rerun
-    name = f"{cfg.model.name}/{naming.run_name(method.tag, method.lineage())}/{Path(out).stem}"
+    run_name = naming.run_name(method.tag, method.lineage())
+    name = f"{cfg.model.name}/{run_name}/{Path(out).stem}"
     with tracked_run(cfg.tracking, record(cfg)["config"], job_type="evaluate", name=name,
                      group=cfg.model.name) as wb:
         metrics = evaluate_corpus(model, tok, cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens,
@@ -55,7 +56,7 @@ def run(cfg) -> dict:
                                   calibration_fraction=cfg.data.calibration_fraction,
                                   progress=cfg.progress, method=method, bos=cfg.data.bos)
         metrics.update(model=cfg.model.name, method=method.tag, dtype=cfg.model.dtype,
-                       run=naming.run_name(method.tag, method.lineage()),
+                       run=run_name,
                        calibration_fraction=cfg.data.calibration_fraction, **summary)
         log_metrics(wb, metrics)
     write_json(out, record(cfg, metrics=metrics, method=method.record()))

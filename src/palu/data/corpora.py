@@ -169,6 +169,11 @@ CORPORA: dict[str, Callable[..., Corpus]] = {
 STANDINS = ("wiki_standin", "novels_standin")
 
 
+def real_corpora() -> list[str]:
+    """The corpora that read files of their own (`data.path`) or the HF datasets cache."""
+    return sorted(set(CORPORA) - set(STANDINS))
+
+
 def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
     """Load a corpus by name; unknown names, missing data and a path the corpus cannot take
     fail with the reason."""
@@ -176,7 +181,6 @@ def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
         raise ValueError(f"unknown corpus {name!r}; choose one of {sorted(CORPORA)}")
     if path and name in STANDINS:
         # a silently ignored path would evaluate the embedded text under the user's file's name
-        real = sorted(set(CORPORA) - set(STANDINS))
         raise ValueError(f"corpus {name!r} is embedded and takes no path, got path={path!r}; "
-                         f"files of your own need a real corpus ({real})")
+                         f"files of your own need a real corpus ({real_corpora()})")
     return CORPORA[name](path=path, **options)

@@ -71,6 +71,7 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     rows = s * geom.head_dim
     factors, report = [], {"whitening": [], "output_error": []}
     used: dict[str, int] = {}
+    dtype = stored_dtype(model)
     layers = adapter.layers(model)
     for l, layer in enumerate(steps(layers, "decompose", "layers", progress)):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
@@ -90,6 +91,6 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                                                    "rel_error": _output_error(Wg, A, B, grams[l])})
         for how in rotate_layer(lf, l, rotation, rotation_seed):
             used[how] = used.get(how, 0) + 1
-        factors.append(lf.to(stored_dtype(model)))
+        factors.append(lf.to(dtype))
     report["rotation"] = {"kind": rotation, "seed": rotation_seed, "blocks": used}
     return factors, report

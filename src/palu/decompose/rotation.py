@@ -48,8 +48,6 @@ def _sylvester(n: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def hadamard(n: int) -> torch.Tensor | None:
     """An (unnormalised, ±1) Hadamard matrix of order n, or None if none is known here."""
-    if n == 1 or n == 2:
-        return _sylvester(n)
     power = 1
     while n % (2 * power) == 0:
         power *= 2

@@ -78,9 +78,9 @@ def _hub_cache_hint() -> str:
     return os.path.join(home, "hub")
 
 
-def load_config(model_id: str, supported: bool = True):
-    """The model's config alone (no weights): cheap checks before any heavy work. `supported`:
-    refuse a family without an adapter (UnsupportedArchitectureError listing the supported ones)."""
+def load_config(model_id: str):
+    """The model's config alone (no weights): cheap checks before any heavy work. A family
+    without an adapter is refused (UnsupportedArchitectureError listing the supported ones)."""
     from transformers import AutoConfig
     src = resolve_source(model_id)
     try:
@@ -88,8 +88,7 @@ def load_config(model_id: str, supported: bool = True):
     except (OSError, ValueError) as err:
         raise ModelNotFoundError(f"model {model_id!r}: no local config ({_hub_cache_hint()} "
                                  f"looked at for hub ids; downloads are disabled): {err}") from err
-    if supported:
-        check_supported(config, model_id)
+    check_supported(config, model_id)
     return config
 
 
@@ -128,7 +127,8 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
                 f"or download the model first. Cause: {err}") from err
         raise
     _strip_gguf_markers(model)
-    check_supported(model.config, model_id)
+    if src.kind == "hub":   # the others were checked from their config before loading
+        check_supported(model.config, model_id)
     if src.kind == "gguf":
         _align_tokenizer(tok, model, Path(src.path) / src.gguf_file)
     model.eval().to(device)
