@@ -33,8 +33,10 @@ def pack_unit(bits: int) -> int:
 
 
 def packed_width(rank: int, bits: int) -> int:
-    """Bytes per token and group of `rank` latents at `bits`."""
-    return rank * bits // 8
+    """Bytes per token and group of `rank` latents at `bits` (a rank that is not a multiple of
+    `pack_unit` is padded with zero codes up to one: the torch path only)."""
+    unit = pack_unit(bits)
+    return -(-rank // unit) * unit * bits // 8
 MIN_SCALE = 2.0 ** -14   # smallest normal fp16: a constant row must not get a zero scale
 ZERO_LIMIT = 1024.0      # |zero point| bound: integers up to 2048 are exact in fp16
 
@@ -49,7 +51,7 @@ def as_groups(latents: torch.Tensor, groups: int) -> torch.Tensor:
 
 @dataclass
 class QuantLatent:
-    data: torch.Tensor    # uint8 [B, G, T, R // per_byte]
+    data: torch.Tensor    # uint8 [B, G, T, packed_width(R, bits)]
     scale: torch.Tensor   # fp16 [B, G, T]
     zero: torch.Tensor    # fp16 [B, G, T]
     bits: int
@@ -63,9 +65,7 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     """Per-token, per-group asymmetric min-max quantisation of [B, G, T, R] latents, packed."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} is not one of {SUPPORTED_BITS}")
-    unit, R = pack_unit(bits), h.shape[-1]
-    if R % unit:
-        raise ValueError(f"rank {R} is not a multiple of {unit} ({bits}-bit packing)")
+    R = h.shape[-1]
     levels = 2 ** bits - 1
     hf = h.float()
     lo, hi = hf.amin(-1), hf.amax(-1)
@@ -79,7 +79,19 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
     scale = scale.clamp_min(MIN_SCALE).half()
     zero = torch.floor(-lo / scale.float() + 0.5).half()
     q = torch.floor(hf / scale.float()[..., None] + zero.float()[..., None] + 0.5).clamp(0, levels).to(torch.uint8)
-    parts = q.split(R // unit, dim=-1)
+    return QuantLatent(pack_codes(q, bits), scale.contiguous(), zero.contiguous(), bits, R)
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (..., n) uint8 in [0, 2^bits) packed along the last axis in the layout
+    above: (..., packed_width(n, bits)) uint8 (n padded with zero codes to a multiple of
+    `pack_unit(bits)`; `unpack_codes(..., n)` drops them)."""
+    n = q.shape[-1]
+    pad = -n % pack_unit(bits)
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+        n += pad
+    parts = q.split(n // pack_unit(bits), dim=-1)
     if bits == 3:
         word = torch.zeros(parts[0].shape, dtype=torch.int32, device=q.device)
         for k, part in enumerate(parts):
@@ -89,16 +101,23 @@ def quantize_latent(h: torch.Tensor, bits: int) -> QuantLatent:
         packed = torch.zeros_like(parts[0])
         for k, part in enumerate(parts):
             packed |= part << (k * bits)
-    return QuantLatent(packed.contiguous(), scale.contiguous(), zero.contiguous(), bits, R)
+    return packed.contiguous()
 
 
-def dequantize_latent(q: QuantLatent, dtype=torch.float16) -> torch.Tensor:
-    if q.bits == 3:
-        b0, b1, b2 = (p.to(torch.int32) for p in q.data.split(q.data.shape[-1] // 3, dim=-1))
+def unpack_codes(data: torch.Tensor, bits: int, n: int | None = None) -> torch.Tensor:
+    """`pack_codes` undone: (..., packed_width(n, bits)) uint8 -> (..., n) integer codes (int32);
+    n None: every packed code (padding included)."""
+    if bits == 3:
+        b0, b1, b2 = (p.to(torch.int32) for p in data.split(data.shape[-1] // 3, dim=-1))
         word = b0 | (b1 << 8) | (b2 << 16)
         parts = [(word >> (3 * k)) & 7 for k in range(8)]
     else:
-        per_byte, mask = 8 // q.bits, 2 ** q.bits - 1
-        parts = [((q.data >> (k * q.bits)) & mask) for k in range(per_byte)]
-    ints = torch.cat(parts, -1).float()
+        per_byte, mask = 8 // bits, 2 ** bits - 1
+        parts = [((data >> (k * bits)) & mask).to(torch.int32) for k in range(per_byte)]
+    codes = torch.cat(parts, -1)
+    return codes if n is None else codes[..., :n]
+
+
+def dequantize_latent(q: QuantLatent, dtype=torch.float16) -> torch.Tensor:
+    ints = unpack_codes(q.data, q.bits, q.rank).float()
     return ((ints - q.zero.float()[..., None]) * q.scale.float()[..., None]).to(dtype)

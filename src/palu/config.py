@@ -72,6 +72,18 @@ class PaluConfig:
 
 
 @dataclass
+class KVQuantConfig:
+    """Fitting KVQuant's codebooks (step fit_kvquant) on windows of the calibration corpus."""
+    bits: int = 3
+    weighting: str = "fisher"           # fisher (sensitivity-weighted k-means) | uniform (plain)
+    outlier_fraction: float = 0.01      # entries per vector kept exact, in [0, 0.5)
+    samples: int = 8                    # calibration windows
+    seqlen: int = 2048
+    seed: int = 2
+    tokens_per_window: int = 256        # tokens per window whose activations are kept
+
+
+@dataclass
 class GenerateConfig:
     context: int = 4096                 # prefill length whose cache memory is measured
     prompt: str = "The history of the university began in"
@@ -100,6 +112,7 @@ class Config:
     fisher: FisherConfig = field(default_factory=FisherConfig)
     palu: PaluConfig = field(default_factory=PaluConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    kvquant: KVQuantConfig = field(default_factory=KVQuantConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     # the KV-cache method (conf/method/<name>.yaml; fields checked by palu.methods)
@@ -121,7 +134,8 @@ _CHOICES = {
 }
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
-             "generate.context", "generate.new_tokens")
+             "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
+             "kvquant.tokens_per_window")
 
 
 def validate(cfg: DictConfig | dict) -> DictConfig:
@@ -157,6 +171,13 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
                               f"corpus ({real_corpora()}) for files of your own")
     if merged.device != "cpu" and not merged.device.startswith("cuda"):
         raise ConfigError(f"device={merged.device!r} must be 'cpu' or 'cuda[:N]'")
+    from .methods import MethodError
+    from .methods.kvquant import check_settings
+    k = merged.kvquant
+    try:
+        check_settings(k.bits, k.weighting, k.outlier_fraction)
+    except MethodError as err:
+        raise ConfigError(str(err)) from None
     method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from palu.config import CONF_DIR
 from palu.config import ConfigError, validate
 
-GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "tracking", "paths"]
+GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "kvquant", "tracking", "paths"]
 
 
 def _compose(overrides=()):
@@ -16,13 +16,26 @@ def _compose(overrides=()):
         return compose(config_name="config", overrides=list(overrides))
 
 
+@pytest.fixture(scope="module")
+def kvquant_state(tmp_path_factory):
+    import torch
+
+    from palu.methods.kvquant import fit_kvquant
+    from tiny import tiny_llama
+    path = tmp_path_factory.mktemp("kvquant") / "state"
+    fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",
+                tokens_per_window=8, progress=False).save(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_option_of_every_group_composes_and_validates(group):
+def test_every_option_of_every_group_composes_and_validates(group, kvquant_state):
     options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
     assert options
+    needs = {"palu": ["method.checkpoint=ckpt"], "kvquant": [f"method.state={kvquant_state}"]}
     for option in options:
-        # a method that needs a checkpoint gets one; every other group composes as it is
-        extra = ["method.checkpoint=ckpt"] if group == "method" and option == "palu" else []
+        # a method that needs a checkpoint / fitted state gets one; every other group composes as it is
+        extra = needs.get(option, []) if group == "method" else []
         cfg = validate(_compose([f"{group}={option}", *extra]))
         # the option's own values arrive in the validated config
         own = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")

@@ -21,6 +21,14 @@ def test_each_yaml_builds_its_method_with_only_declared_fields(stem, tmp_path):
     conf = dict(YAMLS[stem])
     if "checkpoint" in conf:
         conf["checkpoint"] = str(tmp_path)
+    if "state" in conf:   # KVQuant: a fitted state folder
+        import torch
+
+        from palu.methods.kvquant import fit_kvquant
+        from tiny import tiny_llama
+        fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",
+                    tokens_per_window=8, progress=False).save(tmp_path / "state")
+        conf["state"] = str(tmp_path / "state")
     method = build_method(conf)
     assert type(method) is REGISTRY[stem]
     assert method.name == conf["name"]
@@ -28,7 +36,7 @@ def test_each_yaml_builds_its_method_with_only_declared_fields(stem, tmp_path):
 
 
 def test_unknown_method_and_unknown_field_are_named():
-    with pytest.raises(MethodError, match=r"method.name='kivi2' is not one of \['fp16', 'palu'"):
+    with pytest.raises(MethodError, match=r"method.name='kivi2' is not one of \['atom', 'fp16', 'kivi', 'kvquant', 'palu', 'turboquant'\]"):
         build_method({"name": "kivi2"})
     with pytest.raises(MethodError, match=r"no field\(s\) \['bitz'\]"):
         build_method({"name": "palu", "checkpoint": "x", "bitz": 4})

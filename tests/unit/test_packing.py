@@ -30,10 +30,28 @@ def test_three_bit_packs_eight_values_in_three_bytes():
     assert torch.equal(dequantize_latent(q, torch.float32), h)
 
 
-@pytest.mark.parametrize("bits, rank", [(3, 12), (2, 6), (4, 3)])
-def test_a_rank_that_does_not_pack_is_refused_naming_it(bits, rank):
-    with pytest.raises(ValueError, match=f"rank {rank} is not a multiple"):
-        quantize_latent(torch.randn(1, 1, 2, rank), bits)
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rank", [1, 3, 5, 12, 13, 27])
+def test_odd_ranks_are_padded_to_the_pack_unit_and_round_trip(bits, rank):
+    """A rank that is not a multiple of the pack unit (rank_multiple=1 allows any) is stored with
+    zero codes up to one: packed_width bytes, and the rank's values come back within half a step."""
+    h = torch.randn(1, 2, 5, rank, generator=torch.Generator().manual_seed(rank))
+    q = quantize_latent(h, bits)
+    unit = {2: 4, 3: 8, 4: 2, 8: 1}[bits]
+    assert q.data.shape[-1] == packed_width(rank, bits) == -(-rank // unit) * unit * bits // 8
+    back = dequantize_latent(q, torch.float32)
+    assert back.shape == h.shape
+    assert ((back - h).abs() <= 0.5 * q.scale.float()[..., None] + 1e-3 * h.abs().amax(-1, keepdim=True)).all()
+
+
+def test_a_latent_cache_with_odd_ranks_holds_what_it_was_given():
+    cache = palu.LatentCache(num_layers=1, bits=4)
+    hk, hv = torch.randn(1, 6, 2 * 13), torch.randn(1, 6, 2 * 5)
+    cache.update_latent(hk, hv, torch.arange(6)[None], 0, ranks=([13, 13], [5, 5]))
+    assert cache.nbytes()["latents"] == 6 * (2 * 7 + 2 * 3)        # 13 -> 14 codes, 5 -> 6 codes
+    keys, values = cache.layers[0].latents(torch.float32)
+    assert keys.shape == hk.shape and values.shape == hv.shape
+    assert (keys - hk).abs().max() < 0.5 and (values - hv).abs().max() < 0.5
 
 
 def test_a_three_bit_latent_cache_counts_the_bytes_it_holds():

@@ -28,6 +28,8 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
     if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:
         return "ranks differ between groups"
     per = 1 if bits is None else 8 // bits
+    if attn.ranks_k[0] % per or attn.ranks_v[0] % per:
+        return f"ranks ({attn.ranks_k[0]}, {attn.ranks_v[0]}) are padded in the packed layout"
     if (attn.ranks_k[0] // per) % 16 or (attn.ranks_v[0] // per) % 16:
         return f"ranks ({attn.ranks_k[0]}, {attn.ranks_v[0]}) give stored columns not a multiple of 16"
     if attn.backend == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16)):

@@ -20,7 +20,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from palu_kernels.layout import KERNEL_BITS, QuantLatent, dequantize_latent, quantize_latent
+from palu_kernels.layout import KERNEL_BITS, QuantLatent, dequantize_latent, pack_unit, quantize_latent
 from ..models.adapters import sliding_window_of
 from .protocol import causal_mask, check_latent_model
 from .slots import slot_buffer, slot_nbytes, slot_range
@@ -154,6 +154,10 @@ class GraphLatentCache(Cache):
                 if len(set(ranks)) != 1:
                     raise ValueError(f"layer {i}: {name} ranks differ between groups ({list(ranks)}); "
                                      "GraphLatentCache needs one rank per layer (use LatentCache)")
+                if bits and ranks[0] % pack_unit(bits):
+                    raise ValueError(f"layer {i}: {name} rank {ranks[0]} is not a multiple of "
+                                     f"{pack_unit(bits)}, so its {bits}-bit latents are padded; the "
+                                     "kernels read unpadded ones (use LatentCache)")
             layers.append(GraphLatentLayer(self, attn.n_groups, attn.ranks_k[0], attn.ranks_v[0],
                                            attn.A_k.dtype, attn.A_k.device))
         super().__init__(layers=layers)

@@ -110,7 +110,8 @@ class LatentLayer(DynamicLayer):
         (`palu_kernels.quantize`, bit-identical to the torch path's ~20 small kernels per group)."""
         B, n, _ = h.shape
         G, per = len(ranks), 8 // self.bits
-        if _use_quantize_kernel(h) and len(set(ranks)) == 1 and self.bits in KERNEL_BITS:
+        if (_use_quantize_kernel(h) and len(set(ranks)) == 1 and self.bits in KERNEL_BITS
+                and ranks[0] % per == 0):
             from palu_kernels.quantize import quantize_into   # imports triton: only where it runs
             packed = self._extend(data, getattr(self, data), (B, 1, n, sum(ranks) // per), 2,
                                   torch.uint8, h.device)

@@ -13,7 +13,8 @@ from ..progress import steps
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
-               make_cache: Callable[[], object] | None = None) -> dict:
+               make_cache: Callable[[], object] | None = None,
+               cache_nbytes: Callable[[object], dict] | None = None) -> dict:
     """exp(mean next-token NLL) over all windows; each window is scored independently.
 
     `make_cache`: a fresh cache per window (a method's `make_cache`). The window then runs as one
@@ -21,17 +22,22 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     tokens before it (Palu: its latents, quantised when the cache quantises them). A one-pass
     evaluation therefore equals feeding the tokens one at a time through the same cache
     (tests/unit/test_method_perplexity.py). None: no cache (`use_cache=False`).
+    `cache_nbytes`: measures the first window's filled cache (returned as `cache_nbytes`).
     Returns ppl, total nll, scored token count and wall time, so results can be re-aggregated.
     """
     device = next(model.parameters()).device
-    nll, count, start = 0.0, 0, time.perf_counter()
+    nll, count, start, measured = 0.0, 0, time.perf_counter(), None
     batches = windows.split(batch_size)
     for batch in steps(batches, "perplexity", "windows", progress):
         batch = batch.to(device)
         if make_cache is None:
             logits = model(input_ids=batch, use_cache=False).logits             # (B, T, V)
         else:
-            logits = model(input_ids=batch, past_key_values=make_cache(), use_cache=True).logits
+            cache = make_cache()
+            logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits
+            if cache_nbytes is not None and measured is None:
+                measured = cache_nbytes(cache)
+            del cache
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
                                reduction="sum").item()
         if not math.isfinite(loss):
@@ -40,5 +46,8 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
         nll += loss
         count += batch[:, 1:].numel()
     mean = nll / count
-    return {"ppl": math.exp(mean), "nll": nll, "scored_tokens": count, "windows": len(windows),
-            "seconds": time.perf_counter() - start}
+    out = {"ppl": math.exp(mean), "nll": nll, "scored_tokens": count, "windows": len(windows),
+           "seconds": time.perf_counter() - start}
+    if measured is not None:
+        out["cache_nbytes"] = measured
+    return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from ..data.corpora import load_corpus
 from ..data.windows import bos_token_for, evaluation_windows, tokenize
+from ..cache.memory import bytes_summary
 from .perplexity import perplexity
 
 
@@ -26,6 +27,10 @@ def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int 
     tokens = tokenize(tokenizer, data.evaluation_text)
     windows = evaluation_windows(tokens, seqlen, max_tokens, bos_id)
     make_cache = None if method is None else (lambda: method.make_cache(model))
-    result = perplexity(model, windows, progress=progress, make_cache=make_cache)
+    result = perplexity(model, windows, progress=progress, make_cache=make_cache,
+                        cache_nbytes=None if method is None else method.cache_nbytes)
+    if "cache_nbytes" in result:   # bytes of one window's real cache (batch 1, seqlen tokens)
+        elem = next(model.parameters()).element_size()
+        result.update(bytes_summary(result.pop("cache_nbytes"), elem, model.config, windows.shape[1]))
     return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin,
             "seqlen": seqlen, "tokens": int(windows.numel()), "bos": bos, "bos_token_id": bos_id}

@@ -76,6 +76,17 @@ def checkpoint_dir(work: str, model: str, ctag: str, ftag: str, tag: str, multip
     return Path(work) / "palu" / model / ctag / ftag / f"{tag}-m{multiple}"
 
 
+def kvquant_calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, dtype: str,
+                            bos: str = "auto") -> str:
+    """The windows a KVQuant state was fitted on (the calibration corpus, its own sample count)."""
+    return calibration_tag(corpus, samples, seqlen, seed, dtype, bos)
+
+
+def kvquant_dir(work: str, model: str, ktag: str, state: str) -> Path:
+    """work/kvquant/<model>/<calibration windows>/<state tag>/ (state.safetensors + manifest)."""
+    return Path(work) / "kvquant" / model / ktag / state
+
+
 def lineage_of(manifest: dict) -> tuple[str, ...]:
     """What a Palu checkpoint was made from, as path components: its calibration and Fisher
     settings and rank multiple (pipeline checkpoints), else the sha256 of its factors (a
@@ -149,6 +160,18 @@ def checkpoint_dir_of(cfg) -> Path:
                          rotation_tag(p.rotation, p.rotation_seed))
     return checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg),
                           fisher_tag_of(cfg), tag, p.rank_multiple, p.rank_method)
+
+
+def kvquant_calibration_tag_of(cfg) -> str:
+    c, k = cfg.calibration, cfg.kvquant
+    return kvquant_calibration_tag(c.corpus, k.samples, k.seqlen, k.seed, cfg.model.dtype, c.bos)
+
+
+def kvquant_dir_of(cfg) -> Path:
+    from ..methods.kvquant import state_tag
+    k = cfg.kvquant
+    return kvquant_dir(cfg.paths.work, cfg.model.name, kvquant_calibration_tag_of(cfg),
+                       state_tag(k.bits, k.weighting, k.outlier_fraction))
 
 
 def by_hand(work: str) -> Path:

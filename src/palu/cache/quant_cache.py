@@ -1,0 +1,262 @@
+"""A KV cache that stores full keys and values quantised, as the KV-quantisation baselines do
+(Atom, KIVI, TurboQuant, KVQuant: `palu/methods/`), through transformers' Cache API.
+
+A method gives one `Codec` for keys and one for values (how a block of tokens is encoded) and a
+schedule: the first `sink` tokens are kept in the model's dtype forever (KVQuant's attention
+sink), the newest `window` tokens too (KIVI's residual), and a codec with `block` > 1 (KIVI's
+per-channel keys) quantises `block` consecutive tokens together once all of them have left the
+window. So token j (j >= sink) is held quantised from the step whose query is
+
+    quantised_at(j) = sink + ((j - sink) // block + 1) * block - 1 + window
+
+on, and in the model's dtype before it (for block 1 and window 0: from its own step on — a token
+attends to its own quantised key, as in decoding).
+
+Decode-equivalence of a one-pass window: a step of T tokens returns, for every token, each form
+the cache held it in during the step (the model's dtype and/or quantised), and a mask that lets
+query t see, of token j, exactly the form the cache held when t was decoded (`QuantKVView`).
+Keys and values may change form at different steps (KIVI: values per token, keys per block), so
+a column of the view is one (key form, value form) pair with its interval of queries. Feeding
+the same tokens one at a time through the cache gives the same attention, to rounding.
+
+Pre-RoPE keys (KVQuant): the cache also keeps the token positions, and attention rotates the
+keys it reads (`QuantKVView.key_positions`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+NEVER = 2 ** 62   # quantised_at of a token that stays in the model's dtype
+
+
+class Codec:
+    """Encodes one layer's keys or values, (B, H, n, d) -> a dict of tensors whose axis 2 runs
+    over tokens (or over blocks of `block` tokens), so encodings of later tokens concatenate."""
+    block: int = 1
+
+    def encode(self, x: torch.Tensor, layer: int) -> dict:
+        raise NotImplementedError
+
+    def decode(self, enc: dict, layer: int, dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_metadata_nbytes(self, layer: int) -> int:
+        """Bytes stored once per layer whatever the length (codebooks, calibrated scales)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class Schedule:
+    sink: int = 0
+    window: int = 0
+
+    def quantised_at(self, j: torch.Tensor, block: int) -> torch.Tensor:
+        at = self.sink + (torch.div(j - self.sink, block, rounding_mode="floor") + 1) * block - 1 + self.window
+        return torch.where(j < self.sink, torch.full_like(j, NEVER), at)
+
+    def quantised_end(self, n: int, block: int) -> int:
+        """End of the quantised tokens [sink, end) once n tokens are cached (min(n, sink) if none)."""
+        blocks = max(0, (n - self.window - self.sink) // block)
+        return min(n, self.sink) + blocks * block
+
+
+def _cat(parts: list[dict]) -> dict:
+    parts = [p for p in parts if p]
+    if not parts:
+        return {}
+    return {k: torch.cat([p[k] for p in parts], 2) for k in parts[0]}
+
+
+class _Stream:
+    """Keys or values of one layer: `head` (the sink, model dtype), `enc` (tokens
+    [sink, quantised) encoded), `tail` (the rest, model dtype)."""
+
+    def __init__(self, codec: Codec, schedule: Schedule, layer: int):
+        self.codec, self.schedule, self.layer = codec, schedule, layer
+        self.head = self.tail = None
+        self.enc: dict = {}
+        self.n = 0
+
+    def quantised(self, n: int) -> int:
+        return self.schedule.quantised_end(n, self.codec.block)
+
+    def step(self, x: torch.Tensor):
+        """Append x (B, H, T, d); returns (fp, fp_index, dq, dq_index): every token the step can
+        see in the model's dtype and every quantised token dequantised, with their indices."""
+        s = self.schedule.sink
+        n0, n1 = self.n, self.n + x.shape[2]
+        q0, q1 = self.quantised(n0), self.quantised(n1)
+        held = [t for t in (self.head, self.tail) if t is not None and t.shape[2]]
+        fp_all = torch.cat(held + [x], 2)            # tokens [0, h0) and [q0, n1)
+        h1 = min(s, n1)
+        start = max(q0, h1)                          # first token of `rest`
+        rest = fp_all[:, :, h1:]                     # tokens [start, n1)
+        new = self.codec.encode(rest[:, :, :q1 - start], self.layer) if q1 > start else {}
+        old_dq = self.codec.decode(self.enc, self.layer, x.dtype) if self.enc else None
+        new_dq = self.codec.decode(new, self.layer, x.dtype) if new else None
+        self.head, self.tail = fp_all[:, :, :h1], rest[:, :, q1 - start:]
+        self.enc = _cat([self.enc, new])
+        self.n = n1
+        dev = x.device
+        fp = torch.cat([self.head, rest], 2)
+        fp_index = torch.cat([torch.arange(h1, device=dev), torch.arange(start, n1, device=dev)])
+        dq_parts = [t for t in (old_dq, new_dq) if t is not None]
+        dq = torch.cat(dq_parts, 2) if dq_parts else x[:, :, :0]
+        dq_index = torch.arange(s, s + dq.shape[2], device=dev)   # encoded: tokens [sink, q1)
+        return fp, fp_index, dq, dq_index
+
+    def map(self, fn) -> None:
+        for name in ("head", "tail"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+        self.enc = {k: fn(v) for k, v in self.enc.items()}
+
+    def nbytes(self) -> dict:
+        size = lambda t: 0 if t is None else t.numel() * t.element_size()
+        enc = {k: size(v) for k, v in self.enc.items()}
+        codes = enc.pop("codes", 0)
+        return {"quantised": codes, "metadata": sum(enc.values()),
+                "full_precision": size(self.head) + size(self.tail)}
+
+
+@dataclass
+class QuantKVView:
+    """What one step's queries attend to: keys and values (B, H, S', d), the token index of each
+    column (S',) and the boolean mask (B or 1, 1, T, S') of which query sees which column."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    index: torch.Tensor
+    mask: torch.Tensor
+    key_positions: torch.Tensor | None   # (B, S') positions of the keys (pre-RoPE caches)
+
+
+def _lookup(index: torch.Tensor, n: int, dev) -> torch.Tensor:
+    """Column of each token in a tensor listing `index` tokens (-1: absent)."""
+    where = torch.full((n,), -1, dtype=torch.long, device=dev)
+    where[index] = torch.arange(index.numel(), device=dev)
+    return where
+
+
+class QuantKVLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, schedule: Schedule, layer: int,
+                 keep_positions: bool):
+        super().__init__()
+        self.k = _Stream(key_codec, schedule, layer)
+        self.v = _Stream(value_codec, schedule, layer)
+        self.schedule, self.layer_idx, self.keep_positions = schedule, layer, keep_positions
+        self.positions: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise TypeError("a quantised KV cache is read through its method's attention "
+                        "(method.install(model)), not by a model's own attention")
+
+    def step(self, keys, values, positions, attention_mask) -> QuantKVView:
+        """Store this step's keys and values (B, H, T, d) at `positions` ((B or 1, T)); return
+        what its queries see (see the module docstring)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        B, _, T, _ = keys.shape
+        n0 = self.k.n
+        n1, dev = n0 + T, keys.device
+        kf, kfi, kq, kqi = self.k.step(keys)
+        vf, vfi, vq, vqi = self.v.step(values)
+        if self.keep_positions:
+            pos = positions.to(torch.int32).expand(B, -1)
+            self.positions = pos if self.positions is None else torch.cat([self.positions, pos], 1)
+        tokens = torch.arange(n1, device=dev)
+        at_k = self.schedule.quantised_at(tokens, self.k.codec.block)
+        at_v = self.schedule.quantised_at(tokens, self.v.codec.block)
+        queries = torch.arange(n0, n1, device=dev)
+        col_k, col_v, idx, masks = [], [], [], []
+        k_where = {False: _lookup(kfi, n1, dev), True: _lookup(kqi, n1, dev)}
+        v_where = {False: _lookup(vfi, n1, dev), True: _lookup(vqi, n1, dev)}
+        never = torch.full_like(tokens, NEVER)
+        for kq_form in (False, True):
+            for vq_form in (False, True):
+                # the queries that see token j with keys / values in these forms: [lo, hi)
+                lo = torch.maximum(at_k if kq_form else tokens, at_v if vq_form else tokens)
+                hi = torch.minimum(never if kq_form else at_k, never if vq_form else at_v)
+                ok = ((k_where[kq_form] >= 0) & (v_where[vq_form] >= 0)
+                      & (lo.clamp_min(n0) < hi.clamp_max(n1)))
+                j = ok.nonzero().flatten()
+                if not j.numel():
+                    continue
+                col_k.append((kq if kq_form else kf).index_select(2, k_where[kq_form][j]))
+                col_v.append((vq if vq_form else vf).index_select(2, v_where[vq_form][j]))
+                idx.append(j)
+                masks.append((lo[j][None, :] <= queries[:, None]) & (queries[:, None] < hi[j][None, :]))
+        index = torch.cat(idx)
+        mask = torch.cat(masks, 1)[None, None]                        # (1, 1, T, S')
+        if attention_mask is not None:                                # padding, sliding windows
+            base = attention_mask[..., -T:, :n1]
+            base = base if base.dtype == torch.bool else base == 0
+            mask = mask & base.index_select(-1, index)
+        key_positions = None if self.positions is None else self.positions.index_select(1, index)
+        return QuantKVView(torch.cat(col_k, 2), torch.cat(col_v, 2), index, mask, key_positions)
+
+    def get_seq_length(self) -> int:
+        return self.k.n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.k.n + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _map(self, fn) -> None:
+        self.k.map(fn)
+        self.v.map(fn)
+        if self.positions is not None:
+            self.positions = fn(self.positions)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self._map(lambda t: t[indices])
+
+    def nbytes(self) -> dict:
+        k, v = self.k.nbytes(), self.v.nbytes()
+        out = {key: k[key] + v[key] for key in k}
+        out["metadata"] += (self.k.codec.layer_metadata_nbytes(self.layer_idx)
+                            + self.v.codec.layer_metadata_nbytes(self.layer_idx))
+        out["positions"] = 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
+        return out
+
+
+class QuantKVCache(Cache):
+    """One QuantKVLayer per decoder layer; `owner` is the method whose attention reads it (an
+    attention module refuses a cache of another method)."""
+
+    def __init__(self, key_codec: Codec, value_codec: Codec, schedule: Schedule, num_layers: int,
+                 keep_positions: bool = False, owner=None):
+        super().__init__(layers=[QuantKVLayer(key_codec, value_codec, schedule, i, keep_positions)
+                                 for i in range(num_layers)])
+        self.owner = owner
+
+    def step(self, layer_idx, keys, values, positions, attention_mask) -> QuantKVView:
+        return self.layers[layer_idx].step(keys, values, positions, attention_mask)
+
+    def nbytes(self) -> dict:
+        """Bytes as stored, summed over layers: `quantised` (packed codes), `metadata` (scales,
+        minima, norms, outlier values and indices, per-layer codebooks), `full_precision`
+        (sink and window tokens in the model's dtype), `positions` (pre-RoPE caches)."""
+        totals: dict = {}
+        for layer in self.layers:
+            for key, value in layer.nbytes().items():
+                totals[key] = totals.get(key, 0) + value
+        totals["total"] = sum(totals.values())
+        return totals

@@ -1,0 +1,257 @@
+"""KVQuant (Hooper et al., NeurIPS 2024): keys quantised per channel *before* RoPE, values per
+token; non-uniform per-layer codebooks fitted on calibration activations (k-means weighted by
+the Fisher information of each activation — KVQuant's sensitivity weighting — or plain k-means
+as the ablation); dense-and-sparse: the largest-magnitude ~`outlier_fraction` of each vector's
+entries kept in fp16 with their indices; the first token (attention sink) kept exact.
+
+    state = fit_kvquant(model, calibration_windows, bits=3)      # or a saved folder
+    method = KVQuant(state=state); method.install(model)
+
+Per-channel keys use offsets and scales calibrated offline per layer and channel (the central
+range between the outlier_fraction / 2 quantiles), so a key is coded without its neighbours
+(block 1); values are normalised per token by their non-outlier midpoint and half-range.
+Outliers per vector: k = max(1, round(outlier_fraction * head_dim)) when the fraction is > 0
+(so ~1% is one entry in 64, 1.6%).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..cache.quant_cache import Schedule
+from ..io import atomic_dir, sha256_file
+from ..models.adapters import adapter_for, geometry_of
+from ..progress import steps
+from ..quant.codebook import lloyd_max
+from ..quant.codecs import KVQuantCodec, _top_outliers
+from .base import MethodError
+from .quantized_kv import QuantizedKV
+
+WEIGHTINGS = ("fisher", "uniform")
+FORMAT = 1
+
+
+def check_settings(bits, weighting, outlier_fraction) -> None:
+    if bits not in (2, 3, 4, 8):
+        raise MethodError(f"kvquant bits={bits!r} is not one of [2, 3, 4, 8]")
+    if weighting not in WEIGHTINGS:
+        raise MethodError(f"kvquant weighting={weighting!r} is not one of {list(WEIGHTINGS)}")
+    if not isinstance(outlier_fraction, (int, float)) or not 0 <= outlier_fraction < 0.5:
+        raise MethodError(f"kvquant outlier_fraction={outlier_fraction!r} is not in [0, 0.5)")
+
+
+def outliers_per_vector(fraction: float, head_dim: int) -> int:
+    return 0 if fraction == 0 else max(1, round(fraction * head_dim))
+
+
+def state_tag(bits: int, weighting: str, outlier_fraction: float) -> str:
+    return f"kvquant-b{bits}-{weighting}-o{outlier_fraction:g}"
+
+
+@dataclass
+class KVQuantState:
+    """What fitting produced: per layer the key / value codebooks (2^bits ascending, in
+    normalised units) and the keys' per-channel offsets and scales (H, d)."""
+    bits: int
+    weighting: str
+    outlier_fraction: float
+    key_codebooks: torch.Tensor      # (layers, 2^bits)
+    value_codebooks: torch.Tensor    # (layers, 2^bits)
+    channel_offset: torch.Tensor     # (layers, H, d)
+    channel_scale: torch.Tensor      # (layers, H, d)
+    info: dict = field(default_factory=dict)   # calibration settings, tokens
+
+    @property
+    def tag(self) -> str:
+        return state_tag(self.bits, self.weighting, self.outlier_fraction)
+
+    def save(self, path: str | Path) -> None:
+        with atomic_dir(path) as tmp:
+            save_file({"key_codebooks": self.key_codebooks, "value_codebooks": self.value_codebooks,
+                       "channel_offset": self.channel_offset, "channel_scale": self.channel_scale},
+                      str(tmp / "state.safetensors"))
+            manifest = {"format": FORMAT, "method": "kvquant", "tag": self.tag, "bits": self.bits,
+                        "weighting": self.weighting, "outlier_fraction": self.outlier_fraction,
+                        "info": self.info,
+                        "files": {"state.safetensors": sha256_file(tmp / "state.safetensors")}}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KVQuantState":
+        path = Path(path)
+        if not (path / "manifest.json").is_file():
+            raise FileNotFoundError(f"{path}: no KVQuant state (manifest.json); fit one with "
+                                    "python -m palu.cli.fit_kvquant")
+        manifest = json.loads((path / "manifest.json").read_text())
+        if manifest.get("format") != FORMAT or manifest.get("method") != "kvquant":
+            raise ValueError(f"{path}: not a format-{FORMAT} KVQuant state")
+        digest = sha256_file(path / "state.safetensors")
+        if digest != manifest["files"]["state.safetensors"]:
+            raise ValueError(f"{path}/state.safetensors does not match its manifest's sha256: "
+                             "the file was changed or damaged; fit it again")
+        t = load_file(str(path / "state.safetensors"))
+        return cls(manifest["bits"], manifest["weighting"], manifest["outlier_fraction"],
+                   t["key_codebooks"], t["value_codebooks"], t["channel_offset"], t["channel_scale"],
+                   manifest.get("info", {}))
+
+
+def _codecs(state: KVQuantState, head_dim: int):
+    k = outliers_per_vector(state.outlier_fraction, head_dim)
+    keys = KVQuantCodec(state.bits, list(state.key_codebooks), k, per_channel=True, head_dim=head_dim,
+                        channel_offset=list(state.channel_offset), channel_scale=list(state.channel_scale))
+    values = KVQuantCodec(state.bits, list(state.value_codebooks), k, per_channel=False,
+                          head_dim=head_dim)
+    return keys, values
+
+
+@dataclass
+class KVQuant(QuantizedKV):
+    name = "kvquant"
+    pre_rope = True
+    state: Any = None          # a fitted KVQuantState, or the folder one was saved to
+    sink: int = 1              # first tokens kept exact (the attention sink)
+    bits: Optional[int] = None   # from the state; set it to check the state has these bits
+    _state: Optional[KVQuantState] = field(default=None, init=False, repr=False, compare=False)
+
+    def check(self) -> None:
+        if self.state is None:
+            raise MethodError("method=kvquant needs method.state=<a fitted KVQuant state folder> "
+                              "(python -m palu.cli.fit_kvquant) or a KVQuantState")
+        if not isinstance(self.sink, int) or self.sink < 0:
+            raise MethodError(f"method.sink={self.sink!r} must be a non-negative integer")
+        if self.bits is not None:
+            check_settings(self.bits, "fisher", 0.0)
+            if self.bits != self.loaded.bits:
+                raise MethodError(f"method.bits={self.bits} but the KVQuant state {self.state} was "
+                                  f"fitted for {self.loaded.bits} bits")
+        super().check()
+
+    @property
+    def kv_bits(self) -> int:
+        return self.loaded.bits
+
+    @property
+    def loaded(self) -> KVQuantState:
+        if self._state is None:
+            self._state = self.state if isinstance(self.state, KVQuantState) else KVQuantState.load(self.state)
+        return self._state
+
+    @property
+    def tag(self) -> str:
+        return self.loaded.tag + ("" if self.sink == 1 else f"-sink{self.sink}")
+
+    def lineage(self) -> tuple[str, ...]:
+        cal = self.loaded.info.get("calibration_tag")
+        return (cal,) if cal else ()
+
+    def codecs(self, geom, model):
+        s = self.loaded
+        if s.channel_offset.shape[:2] != (geom.num_layers, geom.num_kv_heads) or s.channel_offset.shape[2] != geom.head_dim:
+            raise ValueError(f"the state was fitted for (layers, kv heads, head_dim) "
+                             f"{tuple(s.channel_offset.shape)}, the model has "
+                             f"{(geom.num_layers, geom.num_kv_heads, geom.head_dim)}")
+        return _codecs(s, geom.head_dim)
+
+    def schedule(self) -> Schedule:
+        return Schedule(sink=self.sink)
+
+    def summary(self) -> dict:
+        return {**super().summary(), "weighting": self.loaded.weighting,
+                "outlier_fraction": self.loaded.outlier_fraction}
+
+    def record(self) -> dict:
+        s = self.loaded
+        return {"name": self.name, "state": str(self.state) if not isinstance(self.state, KVQuantState) else None,
+                "sink": self.sink, "bits": s.bits, "weighting": s.weighting,
+                "outlier_fraction": s.outlier_fraction, "info": s.info}
+
+
+# ---- fitting ---------------------------------------------------------------------------------------
+def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress: bool):
+    """Per layer: pre-RoPE keys and values (N, H, d) of `per_window` random tokens of each
+    window (the first token excluded: the sink is kept exact), and their squared gradients."""
+    adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    H, d = geom.num_kv_heads, geom.head_dim
+    layers = adapter.layers(model)
+    acts = {(i, kind): [] for i in range(len(layers)) for kind in "kv"}
+    grads = {key: [] for key in acts}
+    live: dict = {}
+    handles = []
+
+    def hook(key):
+        def fn(module, inputs, output):
+            out = output.detach().requires_grad_(fisher)
+            live[key] = out
+            return out
+        return fn
+
+    for i, layer in enumerate(layers):
+        _, k, v, _ = adapter.projections(adapter.attention(layer))
+        handles += [k.register_forward_hook(hook((i, "k"))), v.register_forward_hook(hook((i, "v")))]
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    try:
+        for window in steps(windows, "KVQuant calibration", "windows", progress):
+            T = window.numel()
+            pick = 1 + torch.randperm(T - 1, generator=gen)[:per_window]
+            batch = window[None].to(device)
+            with torch.set_grad_enabled(fisher):
+                out = model(input_ids=batch, labels=batch if fisher else None, use_cache=False)
+                if fisher:
+                    out.loss.backward()
+            for key, t in live.items():
+                acts[key].append(t.detach()[0, pick].view(-1, H, d).float().cpu())
+                if fisher:
+                    grads[key].append((t.grad[0, pick].view(-1, H, d).float() ** 2).cpu())
+            live.clear()
+            model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+    cat = lambda lst: torch.cat(lst) if lst else None
+    return {key: cat(v) for key, v in acts.items()}, {key: cat(v) for key, v in grads.items()}
+
+
+def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "fisher",
+                outlier_fraction: float = 0.01, tokens_per_window: int = 256, seed: int = 0,
+                progress: bool = True, info: Optional[dict] = None) -> KVQuantState:
+    """Fit KVQuant's per-layer codebooks (and the keys' per-channel ranges) on calibration
+    `windows` (n, T) of an *unmodified* model."""
+    check_settings(bits, weighting, outlier_fraction)
+    geom = geometry_of(model.config)
+    k_out = outliers_per_vector(outlier_fraction, geom.head_dim)
+    acts, grads = _capture(model, windows, weighting == "fisher", tokens_per_window, seed, progress)
+    key_cb, value_cb, offsets, scales = [], [], [], []
+    q = outlier_fraction / 2
+    for i in range(geom.num_layers):
+        keys, values = acts[(i, "k")], acts[(i, "v")]
+        lo = torch.quantile(keys, q, dim=0) if q > 0 else keys.amin(0)
+        hi = torch.quantile(keys, 1 - q, dim=0) if q > 0 else keys.amax(0)
+        off, sc = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-6)
+        offsets.append(off.half().float())
+        scales.append(sc.half().float())
+        # the normalised entries each codebook will code (outliers taken out as at encode time)
+        d = geom.head_dim
+        probe = KVQuantCodec(bits, None, k_out, per_channel=True, head_dim=d,
+                             channel_offset=[offsets[-1]] * (i + 1), channel_scale=[scales[-1]] * (i + 1))
+        zk, _ = probe._normalise(keys[None].transpose(1, 2), i)
+        zv, _ = KVQuantCodec(bits, None, k_out, per_channel=False, head_dim=d)._normalise(
+            values[None].transpose(1, 2), i)
+        for z, kind, out in ((zk, "k", key_cb), (zv, "v", value_cb)):
+            idx, _ = _top_outliers(z, k_out)
+            kept = torch.ones_like(z, dtype=torch.bool) if idx is None else \
+                torch.ones_like(z, dtype=torch.bool).scatter(-1, idx, False)
+            w = grads[(i, kind)][None].transpose(1, 2)[kept] if weighting == "fisher" else torch.ones(int(kept.sum()))
+            # stored and counted as fp16
+            out.append(lloyd_max(z[kept], w + (1e-30 if weighting == "fisher" else 0), 2 ** bits).half().float())
+    n_tokens = 0 if acts[(0, "k")] is None else acts[(0, "k")].shape[0]
+    return KVQuantState(bits, weighting, float(outlier_fraction), torch.stack(key_cb), torch.stack(value_cb),
+                        torch.stack(offsets), torch.stack(scales),
+                        {**(info or {}), "tokens": n_tokens, "windows": int(len(windows)),
+                         "outliers_per_vector": k_out, "tokens_per_window": tokens_per_window})
