@@ -10,6 +10,7 @@ include: "workflow/rules/calibrate.smk"
 include: "workflow/rules/decompose.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/collect.smk"
+include: "workflow/rules/quantization.smk"
 include: "workflow/rules/latency.smk"
 
 
@@ -18,4 +19,5 @@ rule all:
         expand(str(naming.table_prefix(R, "{table}")) + ".{ext}", table=TABLES, ext=["csv", "md"]),
         str(naming.figure_path(R, "rank_allocation")),
         str(naming.table_prefix(R, "cache_memory")) + ".md",
+        QUANT_FIGURES,
         LATENCY_TARGETS,

@@ -39,6 +39,14 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
         assert (frame["ppl"] > 1).all()
         assert "stand-in" in (results / "tables" / f"{table}.md").read_text()
     assert (results / "figures" / "rank_allocation.png").stat().st_size > 10_000
+    # the quantization table compares every method at the bytes its real cache held
+    quant = pd.read_csv(results / "tables" / "quantization.csv")
+    assert {"fp16", "palu", "kivi", "turboquant", "kvquant"} == set(quant["family"])
+    assert quant["effective_bits"].notna().all() and (quant["effective_bits"] < 16).sum() == len(quant) - 1
+    assert (results / "figures" / "ppl_vs_bytes.png").stat().st_size > 10_000
+    memory = pd.read_csv(results / "tables" / "cache_memory.csv")
+    assert {"atom-b4", "kvquant-b3-uniform-o0.01"} <= set(memory["method"])
+    assert (memory["context"] == 256).all() and memory["method_text"].str.len().gt(0).all()
     gran = pd.read_csv(results / "tables" / "granularity.csv")
     assert set(gran["granularity"]) == {"-", "M-LRD", "J-LRD"}
     # The grid's name for each run (its result path) is the one evaluate derived from the
@@ -58,7 +66,7 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(grid))
     planned = _planned_rules(_snakemake("--configfile", str(changed), "-n"))
-    assert planned == {"evaluate", "collect_table"}, planned
+    assert planned == {"evaluate", "collect_table", "ppl_vs_bytes_figure"}, planned
 
 
 def test_slurm_profile_dry_run(prepared_model):

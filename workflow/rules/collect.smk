@@ -29,21 +29,35 @@ rule rank_allocation_figure:
         "tracking=disabled > {log} 2>&1"
 
 
+rule cache_memory_run:
+    input:
+        lambda w: GRID.run_inputs(w.run),
+    output:
+        str(naming.memory_path(R, M, "{run}", config["memory"]["context"], config["memory"]["corpus"])),
+    log:
+        log("generate", "{run}"),
+    params:
+        method=lambda w: GRID.run_overrides(w.run),
+        context=config["memory"]["context"],
+        corpus=config["memory"]["corpus"],
+    threads: workflow.cores
+    shell:
+        "{PY} -m palu.cli.generate {COMMON} {params.method} data={params.corpus} "
+        "generate.context={params.context} out={output} tracking=disabled progress=false "
+        "> {log} 2>&1"
+
+
 rule cache_memory:
     input:
-        model=MODEL_DIR,
-        checkpoint=GRID.checkpoint(GRID.memory_spec()),
+        GRID.memory_files(),
     output:
-        json=str(naming.table_prefix(R, "cache_memory")) + ".json",
+        csv=str(naming.table_prefix(R, "cache_memory")) + ".csv",
         md=str(naming.table_prefix(R, "cache_memory")) + ".md",
     log:
         log("collect", "cache_memory"),
     params:
-        palu=GRID.decompose_overrides(GRID.memory_spec()),
-        context=config["memory"]["context"],
-    threads: workflow.cores
+        inputs=lambda w, input: ",".join(input),
+        prefix=str(naming.table_prefix(R, "cache_memory")),
     shell:
-        "{PY} -m palu.cli.generate {COMMON} {params.palu} method=palu "
-        "method.checkpoint={input.checkpoint} data={config[memory][corpus]} "
-        "generate.context={params.context} out={output.json} tracking=disabled progress=false "
-        "> {log} 2>&1"
+        "{PY} -m palu.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
+        "out={params.prefix} tracking=disabled > {log} 2>&1"

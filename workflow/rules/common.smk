@@ -4,7 +4,7 @@ import sys
 from palu.decompose.factors import DECOMPOSITIONS
 from palu.decompose.ranks import RANK_METHODS
 from palu.pipeline import naming
-from palu.pipeline.grid import Grid, PaluSpec
+from palu.pipeline.grid import Grid, KVQuantSpec, PaluSpec
 
 GRID = Grid(config)
 PY = sys.executable          # shell commands must use the venv's interpreter

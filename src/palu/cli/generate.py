@@ -1,17 +1,17 @@
 """Step `generate`: greedy text through a method's cache, and the cache bytes of a long prefill.
 
-Writes a JSON (text, measured cache bytes of the method's cache and of the ordinary FP cache at
-`generate.context` tokens) and a Markdown table next to it.
+Writes a JSON: the text, and the measured bytes of the method's cache and of the ordinary FP
+cache after a `generate.context`-token prefill (collect's cache_memory table gathers them).
 """
 from __future__ import annotations
 
 import torch
 
-from ..cache.memory import fp16_equivalent, prefill_nbytes
+from ..cache.memory import bytes_summary, fp16_equivalent, prefill_nbytes
 from ..config import method_of
 from ..data.corpora import load_corpus
 from ..data.windows import bos_token_for, evaluation_windows, tokenize
-from ..io import write_json, write_text
+from ..io import write_json
 from ..methods import build_method
 from ..models.loading import load_model
 from ..pipeline import naming
@@ -34,38 +34,24 @@ def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
         out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
                              past_key_values=method.make_cache(model))
         ref = base.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False)
-    result = {"method": method.tag, "context": context, "dtype": cfg.model.dtype,
-              "dense_cache_bytes": dense["total"], "latent_cache_bytes": stored["total"],
-              "latent_positions_bytes": stored["metadata"],
-              "dense_cache_bytes_fp16": fp16_equivalent(dense, elem),
-              "latent_cache_bytes_fp16": fp16_equivalent(stored, elem),
-              "measured_ratio": stored["total"] / dense["total"], "prompt": prompt,
-              "palu_text": tok.decode(out[0, prompt_ids.shape[1]:]),
+    sizes = bytes_summary(stored, elem, model.config, ids.shape[1])
+    result = {"method": method.tag, "run": naming.run_name(method.tag, method.lineage()),
+              "context": context, "dtype": cfg.model.dtype,
+              "fp_cache_bytes": dense["total"], "fp_cache_bytes_fp16": fp16_equivalent(dense, elem),
+              **sizes, "ratio_vs_fp16": sizes["cache_bytes_fp16"] / fp16_equivalent(dense, elem),
+              "prompt": prompt, "method_text": tok.decode(out[0, prompt_ids.shape[1]:]),
               "fp16_text": tok.decode(ref[0, prompt_ids.shape[1]:])}
-    return {**record(cfg), "result": result, "manifest_summary": method.summary()}
-
-
-def markdown(r: dict) -> str:
-    mib = 2 ** 20
-    return (f"# KV-cache memory at {r['context']} tokens (measured, {r['dtype']} tensors)\n\n"
-            f"| cache | bytes | MiB | fp16-equivalent MiB |\n|---|---:|---:|---:|\n"
-            f"| FP cache (transformers DynamicCache) | {r['dense_cache_bytes']} | "
-            f"{r['dense_cache_bytes'] / mib:.2f} | {r['dense_cache_bytes_fp16'] / mib:.2f} |\n"
-            f"| {r['method']} latent cache (incl. int32 positions) | {r['latent_cache_bytes']} | "
-            f"{r['latent_cache_bytes'] / mib:.2f} | {r['latent_cache_bytes_fp16'] / mib:.2f} |\n\n"
-            f"Measured ratio latent / FP: **{r['measured_ratio']:.4f}**\n\n"
-            f"## Greedy generation (prompt: {r['prompt']!r})\n\n"
-            f"- FP model: {r['fp16_text']!r}\n- {r['method']}: {r['palu_text']!r}\n")
+    return {**record(cfg), "result": result, "summary": method.summary()}
 
 
 def run(cfg) -> dict:
-    # by hand (no `out`): under the work folder, never over the pipeline's committed table
-    out = cfg.out or str(naming.by_hand(cfg.paths.work) / "tables" / "cache_memory.json")
+    # by hand (no `out`): under the work folder, never over the pipeline's committed results
+    out = cfg.out or str(naming.by_hand(cfg.paths.work) / "memory" / "generate.json")
     payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
     write_json(out, payload)
-    write_text(out.removesuffix(".json") + ".md", markdown(payload["result"]))
-    log.info("cache %d -> %d bytes; wrote %s", payload["result"]["dense_cache_bytes"],
-             payload["result"]["latent_cache_bytes"], out)
+    r = payload["result"]
+    log.info("%s at %d tokens: %d bytes (%.2f bits per element, %.3f of FP16); wrote %s",
+             r["method"], r["context"], r["cache_bytes"], r["effective_bits"], r["ratio_vs_fp16"], out)
     return payload
 
 

@@ -20,8 +20,8 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory"}
-TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard")
+         "memory", "quantization"}
+TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,19 @@ class PaluSpec:
         return [f"palu.decomposition={self.decomposition}", f"palu.rank_method={self.rank_method}",
                 f"palu.kept_ratio={self.kept_ratio}", f"palu.group_size={self.group_size}"] + (
             [] if self.rotation == "none" else [f"palu.rotation={self.rotation}", "palu.rotation_seed=0"])
+
+
+@dataclass(frozen=True)
+class KVQuantSpec:
+    """One KVQuant run: the settings its codebooks are fitted with (step fit_kvquant)."""
+    bits: int
+    weighting: str
+    outlier_fraction: float
+
+    @property
+    def tag(self) -> str:
+        from ..methods.kvquant import state_tag
+        return state_tag(self.bits, self.weighting, self.outlier_fraction)
 
 
 class Grid:
@@ -130,19 +143,59 @@ class Grid:
         return [PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]), group, int(b), r)
                 for r in h["rotations"] for b in h["bits"]]
 
+    def quantization_palu_specs(self) -> list[PaluSpec]:
+        """Palu rows of the quantization table: kept ratio x granularity x rotation x bits."""
+        p = (self.c.get("quantization") or {}).get("palu")
+        if not p:
+            return []
+        groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in p["group_sizes"]]
+        return [PaluSpec(p["decomposition"], p["rank_method"], float(k), g, int(b), r)
+                for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
+
+    def kvquant_specs(self) -> list[KVQuantSpec]:
+        k = (self.c.get("quantization") or {}).get("kvquant")
+        if not k:
+            return []
+        return [KVQuantSpec(int(b), w, float(k["outlier_fraction"]))
+                for b in k["bits"] for w in k["weightings"]]
+
+    def kvquant_ktag(self) -> str:
+        """The calibration windows KVQuant's codebooks are fitted on (the state's lineage)."""
+        cal, k = self.c["calibration"], self.c["quantization"]["kvquant"]
+        return naming.kvquant_calibration_tag(cal["corpus"], k["samples"], k["seqlen"], k["seed"],
+                                              self.dtype, cal.get("bos", "auto"))
+
+    def kvquant_state(self, spec: KVQuantSpec) -> str:
+        return str(naming.kvquant_dir(self.work, self.model, self.kvquant_ktag(), spec.tag))
+
+    def kvquant_overrides(self, spec: KVQuantSpec) -> str:
+        k = self.c["quantization"]["kvquant"]
+        return " ".join([f"kvquant.bits={spec.bits}", f"kvquant.weighting={spec.weighting}",
+                         f"kvquant.outlier_fraction={spec.outlier_fraction}",
+                         f"kvquant.samples={k['samples']}", f"kvquant.seqlen={k['seqlen']}",
+                         f"kvquant.seed={k['seed']}",
+                         f"kvquant.tokens_per_window={k.get('tokens_per_window', 256)}"])
+
+    def _configured_methods(self, confs) -> dict[str, dict]:
+        from ..methods import build_method
+        out = {}
+        for conf in confs or []:
+            method = build_method(conf)
+            if hasattr(method, "checkpoint") or hasattr(method, "state"):
+                raise ValueError(f"grid methods: {conf} needs a checkpoint or fitted state; Palu "
+                                 "runs come from the Palu entries, KVQuant from quantization.kvquant")
+            out[method.tag] = dict(conf)
+        return out
+
     def method_runs(self) -> dict[str, dict]:
         """The grid's `methods:` list (method configs, as conf/method/ takes them) by tag: cache
         methods evaluated beside the FP16 baseline in the baseline table. A method is added to
         the default tables by one line here, no code."""
-        from ..methods import build_method
-        out = {}
-        for conf in self.c.get("methods") or []:
-            method = build_method(conf)
-            if hasattr(method, "checkpoint"):
-                raise ValueError(f"grid methods: {conf} needs a checkpoint; Palu runs come from the "
-                                 "granularity / rank_search / latent_bits entries")
-            out[method.tag] = dict(conf)
-        return out
+        return self._configured_methods(self.c.get("methods"))
+
+    def quantization_baselines(self) -> dict[str, dict]:
+        """The quantization table's baselines that need no fitted state (Atom, KIVI, ...)."""
+        return self._configured_methods((self.c.get("quantization") or {}).get("baselines"))
 
     def tables(self) -> list[str]:
         """The tables this grid makes: the baseline always, the others where it has their key."""
@@ -156,25 +209,70 @@ class Grid:
         m = self.c["memory"]
         return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
 
+    def memory_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict]:
+        """Runs whose cache bytes and generated text the cache_memory table shows at a long
+        prompt: the memory checkpoint's latents at `memory.bits`, `memory.methods`, and KVQuant
+        at `memory.kvquant_bits` (when the quantization table fits it)."""
+        m, base = self.c["memory"], self.memory_spec()
+        palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
+                for b in m.get("bits", [16])]
+        out: dict = {self.run_name(s): s for s in palu}
+        out.update(self._configured_methods(m.get("methods")))
+        kv = [s for s in self.kvquant_specs() if s.bits == m.get("kvquant_bits")]
+        out.update({self.run_name(s): s for s in kv[:1]})
+        return out
+
+    def memory_files(self) -> list[str]:
+        m = self.c["memory"]
+        return [str(naming.memory_path(self.results, self.model, run, m["context"], m["corpus"]))
+                for run in self.memory_runs()]
+
+    def outlier_checkpoints(self) -> list[str]:
+        """latent_outliers.png: the hadamard table's checkpoint under each of its rotations."""
+        h = self.c.get("hadamard")
+        if not h:
+            return []
+        group = self.kv_heads() if h["group_size"] == "kv_heads" else int(h["group_size"])
+        return [self.checkpoint(PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]),
+                                         group, 16, r)) for r in h["rotations"]]
+
     def specs(self, table: str) -> list[PaluSpec]:
+        """The Palu runs of a table."""
         if table == "baseline":
             return []
         return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
-                "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs}[table]()
+                "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs,
+                "quantization": self.quantization_palu_specs}[table]()
 
-    def runs(self) -> dict[str, PaluSpec | dict | None]:
+    def table_runs(self, table: str) -> list[str]:
+        """Every run of a table by name: FP16, its Palu runs, and its other methods."""
+        names = ["fp16"] + [self.run_name(s) for s in self.specs(table)]
+        if table == "baseline":
+            names += list(self.method_runs())
+        if table == "quantization":
+            names += list(self.quantization_baselines()) + [self.run_name(s) for s in self.kvquant_specs()]
+        return names
+
+    def runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
         """Every method run of the grid by its run name (None: the FP16 baseline; a dict: a
-        method of the grid's `methods:` list)."""
+        method configured in the grid; a KVQuantSpec: KVQuant with a state the DAG fits)."""
         return dict(self._runs)
 
-    def run_name(self, spec: PaluSpec) -> str:
-        """A Palu run's name: what `naming.lineage_of` gives for the checkpoint it will load."""
+    def run_name(self, spec: PaluSpec | KVQuantSpec) -> str:
+        """A run's name: what the method's `lineage()` will give for the checkpoint or state it
+        loads (`naming.lineage_of` for Palu; the fitting windows for KVQuant)."""
+        if isinstance(spec, KVQuantSpec):
+            return naming.run_name(spec.tag, (self.kvquant_ktag(),))
         return naming.run_name(spec.tag, naming.palu_lineage(self.ctag, self.ftag, spec.rank_method,
                                                              self.c["rank_multiple"]))
 
     @cached_property
-    def _runs(self) -> dict[str, PaluSpec | dict | None]:
-        out: dict[str, PaluSpec | dict | None] = {"fp16": None, **self.method_runs()}
+    def _runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        out: dict[str, PaluSpec | KVQuantSpec | dict | None] = {
+            "fp16": None, **self.method_runs(), **self.quantization_baselines()}
+        out.update({self.run_name(s): s for s in self.kvquant_specs()})
+        if self.c.get("memory"):
+            out.update(self.memory_runs())
         for table in self.tables():
             out.update({self.run_name(s): s for s in self.specs(table)})
         return out
@@ -195,13 +293,7 @@ class Grid:
                                        ev.get("bos", "auto")))
 
     def table_inputs(self, table: str) -> list[str]:
-        paths = self.metrics("fp16")
-        if table == "baseline":
-            for run in self.method_runs():
-                paths += self.metrics(run)
-        for spec in self.specs(table):
-            paths += self.metrics(self.run_name(spec))
-        return paths
+        return [path for run in self.table_runs(table) for path in self.metrics(run)]
 
     def ranks_file(self, spec: PaluSpec) -> str:
         return str(naming.ranks_path(self.work, self.model, self.ctag, self.ftag, spec.rank_method,
@@ -219,13 +311,19 @@ class Grid:
     # ---- what a run needs ----------------------------------------------------------------------
     def run_inputs(self, run: str) -> list[str]:
         spec = self._run(run)
-        return [self.prepared_model()] + ([self.checkpoint(spec)] if isinstance(spec, PaluSpec) else [])
+        if isinstance(spec, PaluSpec):
+            return [self.prepared_model(), self.checkpoint(spec)]
+        if isinstance(spec, KVQuantSpec):
+            return [self.prepared_model(), self.kvquant_state(spec)]
+        return [self.prepared_model()]
 
     def run_overrides(self, run: str) -> str:
         """The Hydra overrides that select `run`'s method (and its palu.* settings)."""
         spec = self._run(run)
         if spec is None:
             return "method=fp16"
+        if isinstance(spec, KVQuantSpec):
+            return f"method=kvquant method.state={self.kvquant_state(spec)}"
         if isinstance(spec, dict):
             return " ".join([f"method={spec['name']}"] +
                             [f"method.{k}={v}" for k, v in spec.items() if k != "name"])

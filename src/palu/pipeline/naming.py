@@ -189,6 +189,12 @@ def metrics_path_of(cfg, method) -> Path:
                         d.max_tokens, cfg.model.dtype, d.calibration_fraction, d.bos)
 
 
+def memory_path(results: str, model: str, run: str, context: int | str, corpus: str) -> Path:
+    """results/memory/<model>/<run>/generate-<corpus>-ctx<context>.json: one method's measured
+    cache bytes at a `context`-token prefill, and its greedy text (step generate)."""
+    return Path(results) / "memory" / model / run / f"generate-{corpus}-ctx{context}.json"
+
+
 def log_path(work: str, step: str, name: str) -> Path:
     """A rule's log file (Snakemake `log:`)."""
     return Path(work) / "logs" / step / f"{name}.log"

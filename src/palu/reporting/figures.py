@@ -41,3 +41,130 @@ def rank_allocation_figure(allocation: dict, out: str | Path, title: str = "") -
 
 def rank_allocation_from_file(ranks_json: str | Path, out: str | Path) -> None:
     rank_allocation_figure(read_json(ranks_json), out)
+
+
+def _save(fig, out) -> None:
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, dpi=150, format="png")
+    plt.close(fig)
+
+
+FAMILY_STYLE = {   # marker, colour per method family
+    "fp16": ("*", "black"), "palu": ("o", "tab:blue"), "palu+hadamard": ("D", "tab:cyan"),
+    "palu+random_orthogonal": ("d", "tab:purple"), "atom": ("s", "tab:red"),
+    "kivi": ("^", "tab:orange"), "turboquant": ("v", "tab:green"), "kvquant": ("P", "tab:brown"),
+}
+
+
+def pareto_front(bits: np.ndarray, ppl: np.ndarray) -> np.ndarray:
+    """Indices of the points no other point beats on both bits and perplexity, by bits."""
+    order = np.lexsort((ppl, bits))
+    front, best = [], np.inf
+    for i in order:
+        if ppl[i] < best:
+            front.append(i)
+            best = ppl[i]
+    return np.array(front, dtype=int)
+
+
+def ppl_vs_bytes_figure(table_csv: str | Path, out: str | Path) -> None:
+    """Perplexity against the effective bits per K/V element each cache really stored (metadata
+    and exact tokens included), one panel per corpus, the Pareto front drawn."""
+    import pandas as pd
+    frame = pd.read_csv(table_csv)
+    if frame["effective_bits"].isna().any():
+        missing = frame.loc[frame["effective_bits"].isna(), "method"].tolist()
+        raise ValueError(f"{table_csv}: rows without measured bytes: {missing}")
+    corpora = sorted(frame["corpus"].unique())
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6.2 * len(corpora), 4.6), squeeze=False)
+    for ax, corpus in zip(axes[0], corpora):
+        part = frame[frame["corpus"] == corpus].reset_index(drop=True)
+        seen = set()
+        for _, row in part.iterrows():
+            fam = _family_label(row)
+            marker, colour = FAMILY_STYLE.get(fam, ("x", "gray"))
+            ax.scatter(row["effective_bits"], row["ppl"], marker=marker, color=colour, s=46,
+                       label=None if fam in seen else fam, zorder=3)
+            seen.add(fam)
+            ax.annotate(_short(row), (row["effective_bits"], row["ppl"]), fontsize=5.5,
+                        xytext=(3, 2), textcoords="offset points")
+        front = pareto_front(part["effective_bits"].to_numpy(float), part["ppl"].to_numpy(float))
+        ax.step(part["effective_bits"].to_numpy()[front], part["ppl"].to_numpy()[front], where="post",
+                color="gray", lw=1, ls="--", label="Pareto front", zorder=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("effective bits per K/V element (measured bytes x 8 / elements)")
+        ax.set_ylabel("perplexity")
+        label = part["corpus_label"].iloc[0] if "corpus_label" in part else corpus
+        ax.set_title(f"{label}, {int(part['seqlen'].iloc[0])}-token windows")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    _save(fig, out)
+
+
+def _family_label(row) -> str:
+    fam = row.get("family") if isinstance(row.get("family"), str) else None
+    if fam in (None, "-"):
+        fam = "fp16" if row["method"] == "fp16" else "palu"
+    if fam == "palu" and row.get("rotation", "none") not in ("none", None):
+        fam = f"palu+{row['rotation']}"
+    return fam
+
+
+def _short(row) -> str:
+    if row["method"] == "fp16":
+        return "fp16"
+    fam = _family_label(row)
+    bits = int(row["kv_bits"])
+    if fam.startswith("palu"):
+        rot = "+H" if "hadamard" in fam else ("+R" if "random" in fam else "")
+        return f"{int(round((1 - row['kept_ratio_target']) * 100))}%/{bits}b{rot}"
+    return f"{fam}-{bits}"
+
+
+def latent_outliers_figure(model_dir: str, checkpoints: list[str], corpus: str, out: str | Path,
+                           layer: int | None = None, tokens: int = 2048) -> None:
+    """Per-channel magnitude of one layer's key latents under each checkpoint's rotation (the
+    paper's Fig. 4): the largest |latent| per channel and its 99th percentile over the tokens of
+    `corpus`. A rotation spreads outlier channels, so the per-token range a quantiser must cover
+    shrinks."""
+    import copy
+
+    import torch
+
+    from ..data.corpora import load_corpus
+    from ..data.windows import tokenize
+    from ..decompose.checkpoint import load_compressed
+    from ..models.loading import load_model
+    base, tok = load_model(model_dir)
+    ids = tokenize(tok, load_corpus(corpus).evaluation_text)[:tokens][None]
+    layer = base.config.num_hidden_layers // 2 if layer is None else layer
+    fig, axes = plt.subplots(len(checkpoints), 1, figsize=(9, 2.4 * len(checkpoints)), squeeze=False)
+    for ax, path in zip(axes[:, 0], checkpoints):
+        model = copy.deepcopy(base)
+        manifest = load_compressed(model, path)
+        attn = [m for m in model.modules() if getattr(m, "stores_latents", False)][layer]
+        seen = {}
+
+        def keep_input(module, args, kwargs):
+            seen["x"] = kwargs.get("hidden_states", args[0] if args else None)
+
+        handle = attn.register_forward_pre_hook(keep_input, with_kwargs=True)
+        with torch.no_grad():
+            model(ids, use_cache=False)
+        handle.remove()
+        raw = (seen["x"][0].float() @ attn.A_k.float().T)[:, :attn.ranks_k[0]]       # group 0
+        h = raw.abs()
+        peak, p99 = h.amax(0).numpy(), torch.quantile(h, 0.99, dim=0).numpy()
+        spread = ((raw.amax(1) - raw.amin(1)) / raw.std(1)).mean().item()   # what 1 scale covers
+        x = np.arange(len(peak))
+        ax.bar(x, peak, color="tab:red", alpha=0.6, label="max |latent|")
+        ax.bar(x, p99, color="tab:blue", alpha=0.8, label="99th percentile")
+        rotation = manifest.get("summary", {}).get("rotation", "none")
+        ax.set_title(f"layer {layer} key latents, rotation {rotation}: largest / median channel "
+                     f"99th percentile {p99.max() / np.median(p99):.2f}x, mean per-token range / std "
+                     f"{spread:.1f}", fontsize=8)
+        ax.set_xlabel("latent channel (group 0)")
+        ax.set_ylabel("|latent|")
+        ax.legend(fontsize=7)
+    _save(fig, out)

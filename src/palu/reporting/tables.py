@@ -10,7 +10,9 @@ from ..io import read_json, write_text
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
-           "rotation", "calibration_samples", "calibration_seqlen", "fisher_samples", "kv_bits", "dtype", "ppl"]
+           "rotation", "calibration_samples", "calibration_seqlen", "fisher_samples", "family",
+           "kv_bits", "effective_bits", "compression_vs_fp16", "cache_bytes_fp16", "dtype", "ppl"]
+BYTES = ("effective_bits", "compression_vs_fp16", "cache_bytes_fp16")
 
 
 def granularity_name(group_size, num_kv_heads) -> str:
@@ -39,14 +41,25 @@ def run_row(path: str | Path) -> dict:
         "calibration_samples": m.get("calibration_samples", 0),
         "calibration_seqlen": m.get("calibration_seqlen", 0),
         "fisher_samples": m.get("fisher_samples", 0),
-        "kv_bits": m.get("kv_bits", 16), "dtype": m.get("dtype"), "ppl": m["ppl"],
+        "family": m.get("family") or ("palu" if "kept_ratio_target" in m else m["method"]),
+        "kv_bits": m.get("kv_bits", 16),
+        # measured from a real cache at the evaluated length (runs before issue 16 have none)
+        **{k: m.get(k, math.nan) for k in BYTES},
+        "dtype": m.get("dtype"), "ppl": m["ppl"],
     }
 
 
-def build_table(paths: list[str]) -> pd.DataFrame:
+def build_table(paths: list[str], need_bytes: bool = False) -> pd.DataFrame:
+    """One row per run file; `need_bytes`: every run must carry its measured cache bytes (a
+    table that compares methods at bytes refuses a run without them)."""
     if not paths:
         raise ValueError("no run files given to build a table from")
-    frame = pd.DataFrame([run_row(p) for p in paths], columns=COLUMNS)
+    rows = [run_row(p) for p in paths]
+    if need_bytes:
+        missing = [str(p) for p, r in zip(paths, rows) if not math.isfinite(r["effective_bits"])]
+        if missing:
+            raise ValueError(f"runs without measured cache bytes (evaluate them again): {missing}")
+    frame = pd.DataFrame(rows, columns=COLUMNS)
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
@@ -58,9 +71,16 @@ def build_table(paths: list[str]) -> pd.DataFrame:
 
 def to_markdown(frame: pd.DataFrame, title: str) -> str:
     shown = frame.drop(columns=["corpus"]).copy()
+    if shown["effective_bits"].isna().all():   # tables of runs without measured bytes
+        shown = shown.drop(columns=list(BYTES))
     shown["ppl"] = shown["ppl"].map(lambda v: f"{v:.3f}")
     shown["kept_ratio_realised"] = shown["kept_ratio_realised"].map(lambda v: f"{v:.4f}")
     pivot = frame.pivot_table(index=["method"], columns="corpus", values="ppl", aggfunc="first")
+    if frame["effective_bits"].notna().any():
+        sizes = frame.groupby("method")[["effective_bits", "compression_vs_fp16"]].first()
+        pivot = pivot.join(sizes.rename(columns={"effective_bits": "bits/element",
+                                                 "compression_vs_fp16": "x vs FP16"}))
+        pivot = pivot.sort_values("bits/element", ascending=False)
     return (f"# {title}\n\nPerplexity (lower is better); every number was produced by the pipeline "
             f"from the run files in results/runs/. Corpora marked as stand-ins are embedded "
             f"substitutes, not the paper's corpora.\n\n"

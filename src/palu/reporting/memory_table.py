@@ -1,0 +1,54 @@
+"""The cache_memory table: each method's measured cache bytes at a long prefill and its greedy
+text (from the generate step's JSON files)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from ..io import read_json, write_text
+
+COLUMNS = ["method", "context", "dtype", "cache_bytes", "cache_bytes_fp16", "fp_cache_bytes_fp16",
+           "effective_bits", "ratio_vs_fp16", "cache_data_bytes", "cache_metadata_bytes",
+           "cache_full_precision_bytes", "method_text", "fp16_text", "prompt"]
+
+
+def memory_table(paths: list[str]) -> pd.DataFrame:
+    if not paths:
+        raise ValueError("no generate results given to build the cache_memory table from")
+    rows = [read_json(p)["result"] for p in paths]
+    contexts = {r["context"] for r in rows}
+    if len(contexts) != 1:
+        raise ValueError(f"cache_memory rows at different contexts {sorted(contexts)}: {paths}")
+    frame = pd.DataFrame(rows)
+    missing = sorted(set(COLUMNS) - set(frame.columns))
+    if missing:
+        raise ValueError(f"generate results without {missing} (run the generate step again): {paths}")
+    return frame[COLUMNS].sort_values("effective_bits", ascending=False).reset_index(drop=True)
+
+
+def to_markdown(frame: pd.DataFrame) -> str:
+    mib = 2 ** 20
+    r0 = frame.iloc[0]
+    lines = [f"# KV-cache memory at {r0['context']} tokens (measured from real caches, "
+             f"{r0['dtype']} model)\n",
+             "Bytes of each method's cache after one prefill: packed codes, metadata (scales, "
+             "minima, norms, outliers and their indices, codebooks, positions) and the tokens kept "
+             "exact. fp16-equivalent: what is kept in the model's dtype counted at 2 bytes.\n",
+             f"FP cache (transformers DynamicCache), fp16-equivalent: "
+             f"{r0['fp_cache_bytes_fp16'] / mib:.2f} MiB\n",
+             "| method | bytes as stored | fp16-equivalent MiB | bits / element | of FP16 |",
+             "|---|---:|---:|---:|---:|"]
+    for _, r in frame.iterrows():
+        lines.append(f"| {r['method']} | {r['cache_bytes']} | {r['cache_bytes_fp16'] / mib:.2f} | "
+                     f"{r['effective_bits']:.3f} | {r['ratio_vs_fp16']:.4f} |")
+    lines += ["", f"## Greedy generation (prompt: {r0['prompt']!r})", "",
+              f"- FP model: {r0['fp16_text']!r}"]
+    lines += [f"- {r['method']}: {r['method_text']!r}" for _, r in frame.iterrows()]
+    return "\n".join(lines) + "\n"
+
+
+def write_memory_table(paths: list[str], prefix: str | Path) -> None:
+    frame = memory_table(paths)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", to_markdown(frame))

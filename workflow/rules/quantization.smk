@@ -1,0 +1,57 @@
+# KVQuant's fitted codebooks (one state per bits / weighting), the ppl-vs-bytes and latent-outlier
+# figures, and the per-method cache memory at a long prompt. The quantization table itself is
+# the generic collect_table rule.
+QUANT = config.get("quantization") or {}
+# the figures are default targets where the grid has the quantization / hadamard tables
+QUANT_FIGURES = ([str(naming.figure_path(R, "ppl_vs_bytes"))] if QUANT else []) + (
+    [str(naming.figure_path(R, "latent_outliers"))] if GRID.outlier_checkpoints() else [])
+
+if GRID.kvquant_specs():
+
+    rule fit_kvquant:
+        input:
+            MODEL_DIR,
+        output:
+            directory(str(naming.kvquant_dir(W, M, GRID.kvquant_ktag(), "kvquant-b{kbits}-{weighting}-o{frac}"))),
+        wildcard_constraints:
+            kbits=r"\d",
+            weighting="fisher|uniform",
+            frac=r"[0-9.e-]+",
+        log:
+            log("fit_kvquant", "b{kbits}-{weighting}-o{frac}"),
+        benchmark:
+            bench("fit_kvquant", "b{kbits}-{weighting}-o{frac}")
+        threads: workflow.cores
+        params:
+            kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
+        shell:
+            "{PY} -m palu.cli.fit_kvquant {COMMON} {params.kv} out={output} progress=false > {log} 2>&1"
+
+
+rule ppl_vs_bytes_figure:
+    input:
+        str(naming.table_prefix(R, "quantization")) + ".csv",
+    output:
+        str(naming.figure_path(R, "ppl_vs_bytes")),
+    log:
+        log("collect", "ppl_vs_bytes"),
+    shell:
+        "{PY} -m palu.cli.collect table=ppl_vs_bytes 'inputs=[{input}]' out={output} "
+        "tracking=disabled > {log} 2>&1"
+
+
+rule latent_outliers_figure:
+    input:
+        model=MODEL_DIR,
+        checkpoints=GRID.outlier_checkpoints(),
+    output:
+        str(naming.figure_path(R, "latent_outliers")),
+    log:
+        log("collect", "latent_outliers"),
+    params:
+        inputs=lambda w, input: ",".join([input.model, *input.checkpoints]),
+        corpus=QUANT.get("figure_corpus", "wiki_standin"),
+    threads: workflow.cores
+    shell:
+        "{PY} -m palu.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
+        "corpus={params.corpus} out={output} tracking=disabled > {log} 2>&1"
