@@ -29,6 +29,20 @@ def _run(step, *overrides, tmp_path):
     ("ranks", ["palu.kept_ratio=0"], "palu.kept_ratio=0"),
     ("ranks", ["palu.group_size=2"], "group_size=2 does not divide the 3 KV heads"),
     ("evaluate", ["method=palu", "method.checkpoint=/nonexistent"], "is not a Palu checkpoint"),
+    # the KV-quantisation baselines (issue 16): bits, groups and windows that do not fit, an
+    # outlier fraction out of range, an unknown rotation or method
+    ("evaluate", ["method=atom", "method.bits=5"], "method.bits=5 is not one of [2, 3, 4, 8]"),
+    ("evaluate", ["method=turboquant", "method.bits=8"], "method.bits=8 is not one of [2, 3, 4]"),
+    ("evaluate", ["method=kivi", "method.group=48", "method.residual=96"],
+     "group size 48 does not divide head_dim"),
+    ("evaluate", ["method=kivi", "method.residual=100"], "method.residual=100 must be a non-negative multiple"),
+    ("evaluate", ["method=atom", "method.group=24"], "group size 24 does not divide head_dim (64)"),
+    ("fit_kvquant", ["kvquant.outlier_fraction=0.5"], "outlier_fraction=0.5 is not in [0, 0.5)"),
+    ("fit_kvquant", ["kvquant.bits=1"], "kvquant bits=1 is not one of [2, 3, 4, 8]"),
+    ("evaluate", ["method=kvquant"], "method=kvquant needs method.state"),
+    ("evaluate", ["method=kvquant", "method.state=/nonexistent"], "no KVQuant state"),
+    ("decompose", ["palu.rotation=givens"], "palu.rotation='givens' is not one of"),
+    ("evaluate", ["method=quarot"], "Could not find 'method/quarot'"),
 ])
 def test_bad_input_fails_early_without_output(prepared_model, tmp_path, step, overrides, message):
     if "model.id=" in overrides[0]:

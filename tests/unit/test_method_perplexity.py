@@ -47,14 +47,23 @@ def _token_by_token(model, method, windows):
     return math.exp(nll / count), torch.stack(logits)
 
 
+def _installed(base, conf):
+    method = build_method({"name": "palu", **conf})
+    model = copy.deepcopy(base)
+    method.install(model)
+    return method, model
+
+
+def _one_pass(model, method, windows):
+    return perplexity(model, windows, progress=False, make_cache=lambda: method.make_cache(model))
+
+
 @pytest.mark.parametrize("bits", [16, 8, 4, 3, 2])
 def test_one_pass_perplexity_equals_decoding_through_the_cache(checkpoint, bits):
     base, path = checkpoint
-    method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
-    model = copy.deepcopy(base)
-    method.install(model)
+    method, model = _installed(base, {"checkpoint": path, "bits": bits})
     windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
-    one_pass = perplexity(model, windows, progress=False, make_cache=lambda: method.make_cache(model))
+    one_pass = _one_pass(model, method, windows)
     stepwise, step_logits = _token_by_token(model, method, windows)
     assert one_pass["ppl"] == pytest.approx(stepwise, rel=PPL_REL_TOL)
     with torch.no_grad():
@@ -123,3 +132,37 @@ def test_on_a_gpu_one_pass_equals_decoding_through_the_kernels(bits, tmp_path, m
     stepwise, _ = _token_by_token(model, method, windows)
     assert len(calls) == 2 * 48 * 2        # every decode step of every layer through the kernels
     assert one_pass["ppl"] == pytest.approx(stepwise, rel=2e-3)
+
+
+@pytest.mark.parametrize("bits, channel_group", [(4, 8), (2, 8), (3, 5)])
+def test_channel_grouped_latents_are_decode_equivalent_and_cost_their_scales(checkpoint, bits, channel_group):
+    """Latents quantised with one scale per `channel_group` channels (the last group of a rank
+    shorter): one pass equals decoding, the number moves, and each extra group costs its fp16
+    scale and zero point per token."""
+    base, path = checkpoint
+    plain, plain_model = _installed(base, {"checkpoint": path, "bits": bits})
+    grouped, model = _installed(base, {"checkpoint": path, "bits": bits, "channel_group": channel_group})
+    assert grouped.tag == plain.tag + f"-cg{channel_group}"
+    windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(7))
+    one_pass = _one_pass(model, grouped, windows)
+    stepwise, _ = _token_by_token(model, grouped, windows)
+    assert one_pass["ppl"] == pytest.approx(stepwise, rel=PPL_REL_TOL)
+    plain_ppl = _one_pass(plain_model, plain, windows)
+    assert abs(plain_ppl["ppl"] - one_pass["ppl"]) > 1e-9 * plain_ppl["ppl"]
+    caches = {}
+    for name, m, mdl in (("plain", plain, plain_model), ("grouped", grouped, model)):
+        caches[name] = m.make_cache(mdl)
+        with torch.no_grad():
+            mdl(windows[:1], past_key_values=caches[name], use_cache=True)
+    attn = next(mm for mm in model.modules() if getattr(mm, "stores_latents", False))
+    groups = sum(-(-r // channel_group) for r in (*attn.ranks_k, *attn.ranks_v))
+    layers = base.config.num_hidden_layers
+    assert caches["grouped"].nbytes()["scales"] == 40 * groups * 2 * 2 * layers
+    assert caches["grouped"].nbytes()["scales"] > caches["plain"].nbytes()["scales"]
+
+
+def test_a_bad_channel_group_is_refused():
+    from palu.methods import MethodError
+    for conf in ({"bits": 16, "channel_group": 8}, {"bits": 4, "channel_group": 0}):
+        with pytest.raises(MethodError, match="method.channel_group"):
+            build_method({"name": "palu", "checkpoint": "x", **conf})

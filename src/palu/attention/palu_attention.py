@@ -190,7 +190,7 @@ class PaluAttention(nn.Module):
         and for the torch path: all latents, their positions, the mask)."""
         T = x.shape[1]
         stored = self._store(hk, hv, cache, position_ids, T, x.device)
-        if T == 1 and self._kernels_may_run() and stored.cached:
+        if T == 1 and self._kernels_may_run() and stored.cached and stored.kernel_layout:
             from .kernel_backend import can_use_kernel, kernel_decode
             if can_use_kernel(self, x, stored.kernel_mask(attention_mask, T), stored.bits) is None:
                 keys, values = stored.kernel_latents(self.n_groups)

@@ -94,6 +94,7 @@ class _StoredSlots:
     masked by the cache's device-side lengths, so nothing reads a device value on the host."""
 
     cached = True
+    kernel_layout = True
 
     def __init__(self, cache: "GraphLatentCache", layer_idx: int, S: int, device):
         self.cache, self.layer_idx, self.S = cache, layer_idx, S

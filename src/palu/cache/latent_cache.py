@@ -6,7 +6,8 @@ groups side by side (groups may have different ranks) — plus the token positio
 RoPE needs when keys are rebuilt.
 
 `LatentCache(model, bits=4)` (or 2, 3, 8) stores the latents quantised per token and group in the
-packed layout of `palu_kernels.layout` (`keys` / `values` then hold the packed bytes of all groups
+packed layout of `palu_kernels.layout` (`channel_group=32`: one scale per 32 latent channels of a
+group instead of per group; the torch path reads those) (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
 decode kernels read 2 / 4 / 8-bit latents as they are; the torch path (and 3-bit) gets them
 dequantised.
@@ -230,9 +231,9 @@ class _StoredLatentLayer:
 
     cached = True
 
-    def __init__(self, layer: LatentLayer, hk, hv, positions):
+    def __init__(self, layer: LatentLayer, hk, hv, positions, kernel_layout: bool = True):
         self.layer, self.hk, self.hv, self._positions = layer, hk, hv, positions
-        self.bits = layer.bits
+        self.bits, self.kernel_layout = layer.bits, kernel_layout
 
     @property
     def positions(self):
@@ -264,14 +265,19 @@ class LatentCache(Cache):
     Palu attention applies on the torch path; a mask sends a decode step there) decides what each
     query sees, so the window is honoured exactly; the bytes count every kept token."""
 
-    def __init__(self, model=None, num_layers: int | None = None, bits: int | None = None):
+    def __init__(self, model=None, num_layers: int | None = None, bits: int | None = None,
+                 channel_group: int | None = None):
         if bits is not None and bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
+        if channel_group is not None and (bits is None or not isinstance(channel_group, int)
+                                          or channel_group <= 0):
+            raise ValueError(f"channel_group={channel_group!r}: a positive number of latent channels "
+                             "per scale, for quantised latents (bits set)")
         if model is not None:
             check_latent_model(model, "LatentCache")
         n = num_layers if num_layers is not None else model.config.num_hidden_layers
         super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
-        self.bits = bits
+        self.bits, self.channel_group = bits, channel_group
         self._contiguity_memo: dict = {}   # one contiguity check per step, not per layer
 
     def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):
@@ -284,9 +290,12 @@ class LatentCache(Cache):
         if positions is None:
             past = self.get_seq_length(layer_idx)
             positions = torch.arange(past, past + hk.shape[1], device=hk.device)[None]
+        if self.channel_group is not None:   # each group's rank split into scale groups
+            ranks = tuple(_split(r, self.channel_group) for r in ranks)
         hk_all, hv_all, kpos = self.update_latent(hk, hv, positions, layer_idx, ranks=ranks,
                                                   dequantize=False)
-        return _StoredLatentLayer(self.layers[layer_idx], hk_all, hv_all, kpos)
+        return _StoredLatentLayer(self.layers[layer_idx], hk_all, hv_all, kpos,
+                                  kernel_layout=self.channel_group is None)
 
     def nbytes(self) -> dict:
         """Bytes of the stored tokens: latents (packed in quantised mode), their scales and zero
@@ -297,6 +306,11 @@ class LatentCache(Cache):
                 totals[key] += value
         totals["total"] = totals["latents"] + totals["scales"] + totals["positions"]
         return totals
+
+
+def _split(ranks: list[int], size: int) -> list[int]:
+    """Each rank cut into quantisation groups of `size` channels (the last one shorter)."""
+    return [min(size, r - start) for r in ranks for start in range(0, r, size)]
 
 
 def dense_cache_nbytes(cache) -> int:

@@ -18,6 +18,7 @@ class StoredLatents(Protocol):
     """One layer's latents after this step's were stored."""
     bits: int | None          # packed width, None for latents in the model's dtype
     cached: bool              # held by a cache (the decode kernels read only cached latents)
+    kernel_layout: bool       # stored as the kernels read them (not channel-grouped)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -85,6 +86,7 @@ class TensorLatents:
     latents an ordinary transformers Cache stored as a single pseudo-head."""
 
     bits = None
+    kernel_layout = True
 
     def __init__(self, hk, hv, positions, cached: bool):
         self.hk, self.hv, self._positions, self.cached = hk, hv, positions, cached

@@ -27,11 +27,16 @@ class Palu(CacheMethod):
     name = "palu"
     checkpoint: Optional[str] = None     # compressed checkpoint folder
     bits: int = 16                       # latent storage: 16 (model dtype) or 8 / 4 / 3 / 2-bit
+    channel_group: Optional[int] = None  # latent channels per scale; None: one scale per group
     _manifest: dict = field(default=None, init=False, repr=False, compare=False)
 
     def check(self) -> None:
         if self.bits not in BITS:
             raise MethodError(f"method.bits={self.bits!r} is not one of {list(BITS)}")
+        if self.channel_group is not None and (self.bits == 16 or not isinstance(self.channel_group, int)
+                                               or self.channel_group <= 0):
+            raise MethodError(f"method.channel_group={self.channel_group!r} needs quantised latents "
+                              "(bits < 16) and a positive number of channels")
         if not self.checkpoint:
             raise MethodError("method=palu needs method.checkpoint=<compressed checkpoint folder>")
 
@@ -43,7 +48,8 @@ class Palu(CacheMethod):
 
     @property
     def tag(self) -> str:
-        return self.manifest["tag"] + bits_tag(self.bits)
+        return (self.manifest["tag"] + bits_tag(self.bits)
+                + ("" if self.channel_group is None else f"-cg{self.channel_group}"))
 
     def lineage(self) -> tuple[str, ...]:
         from ..pipeline.naming import lineage_of   # naming imports this module
@@ -53,7 +59,8 @@ class Palu(CacheMethod):
         self._manifest = load_compressed(model, self.checkpoint)
 
     def make_cache(self, model):
-        return LatentCache(model, bits=None if self.bits == 16 else self.bits)
+        return LatentCache(model, bits=None if self.bits == 16 else self.bits,
+                           channel_group=self.channel_group)
 
     def cache_nbytes(self, cache) -> dict:
         n = cache.nbytes()
@@ -68,4 +75,4 @@ class Palu(CacheMethod):
 
     def record(self) -> dict:
         return {"name": self.name, "checkpoint": self.checkpoint, "bits": self.bits,
-                "manifest": self.manifest}
+                "channel_group": self.channel_group, "manifest": self.manifest}
