@@ -156,8 +156,9 @@ class Grid:
         k = (self.c.get("quantization") or {}).get("kvquant")
         if not k:
             return []
-        return [KVQuantSpec(int(b), w, float(k["outlier_fraction"]))
-                for b in k["bits"] for w in k["weightings"]]
+        return [KVQuantSpec(int(f["bits"]), f.get("weighting", "fisher"),
+                            float(f.get("outlier_fraction", k["outlier_fraction"])))
+                for f in k["fits"]]
 
     def kvquant_ktag(self) -> str:
         """The calibration windows KVQuant's codebooks are fitted on (the state's lineage)."""
