@@ -81,6 +81,7 @@ class KVQuantConfig:
     seqlen: int = 2048
     seed: int = 2
     tokens_per_window: int = 256        # tokens per window whose activations are kept
+    activations: Optional[str] = None   # fit from this capture (step kvquant_capture); null: capture here
 
 
 @dataclass

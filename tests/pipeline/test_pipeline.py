@@ -46,7 +46,8 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     assert (results / "figures" / "ppl_vs_bytes.png").stat().st_size > 10_000
     memory = pd.read_csv(results / "tables" / "cache_memory.csv")
     assert {"atom-b4", "kvquant-b3-uniform-o0.01"} <= set(memory["method"])
-    assert (memory["context"] == 256).all() and memory["method_text"].str.len().gt(0).all()
+    assert (memory["context"] == 256).all() and memory["text"].str.len().gt(0).all()
+    assert memory.loc[memory["method"] == "fp16", "ratio_vs_fp16"].item() == 1.0
     gran = pd.read_csv(results / "tables" / "granularity.csv")
     assert set(gran["granularity"]) == {"-", "M-LRD", "J-LRD"}
     # The grid's name for each run (its result path) is the one evaluate derived from the

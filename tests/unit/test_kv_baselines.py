@@ -307,3 +307,24 @@ def test_sliding_window_models_keep_their_window_through_a_quantised_cache(make)
         step, _ = _stepwise(model, method, ids[0])
         assert (one - ref).abs().max().item() < 1e-2, method.tag
         assert (one[0] - step).abs().max().item() < LOGIT_TOL, method.tag
+
+
+def test_one_capture_serves_every_fit_and_round_trips(tmp_path):
+    """The pipeline captures calibration activations once (kvquant_capture) and fits each bit
+    width and weighting from them: the same states as fitting from the model directly."""
+    from palu.methods.kvquant import KVQuantActivations, capture_activations, fit_from_activations
+    base = FAMILIES["llama"](0).double()
+    calib = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(8))
+    captured = capture_activations(copy.deepcopy(base), calib, fisher=True, tokens_per_window=16,
+                                   progress=False)
+    captured.save(tmp_path / "acts.safetensors")
+    back = KVQuantActivations.load(tmp_path / "acts.safetensors")
+    for bits, weighting in ((2, "fisher"), (3, "uniform")):
+        direct = fit_kvquant(copy.deepcopy(base), calib, bits=bits, weighting=weighting,
+                             tokens_per_window=16, progress=False)
+        shared = fit_from_activations(back, bits, weighting, 0.01)
+        for name in ("key_codebooks", "value_codebooks", "channel_offset", "channel_scale"):
+            assert torch.equal(getattr(direct, name), getattr(shared, name)), (bits, weighting, name)
+    plain = capture_activations(copy.deepcopy(base), calib, fisher=False, tokens_per_window=16, progress=False)
+    with pytest.raises(ValueError, match="weighting=fisher needs activations captured with their gradients"):
+        fit_from_activations(plain, 3, "fisher", 0.01)

@@ -7,10 +7,26 @@ QUANT_FIGURES = ([str(naming.figure_path(R, "ppl_vs_bytes"))] if QUANT else []) 
     [str(naming.figure_path(R, "latent_outliers"))] if GRID.outlier_checkpoints() else [])
 
 if GRID.kvquant_specs():
+    KVQ_ACTIVATIONS = str(naming.kvquant_activations_path(W, M, GRID.kvquant_ktag()))
+
+    rule kvquant_capture:
+        input:
+            MODEL_DIR,
+        output:
+            KVQ_ACTIVATIONS,
+        log:
+            log("kvquant_capture", GRID.kvquant_ktag()),
+        benchmark:
+            bench("kvquant_capture", GRID.kvquant_ktag())
+        threads: workflow.cores
+        params:
+            kv=GRID.kvquant_overrides(GRID.kvquant_specs()[0]),
+        shell:
+            "{PY} -m palu.cli.kvquant_capture {COMMON} {params.kv} out={output} progress=false > {log} 2>&1"
 
     rule fit_kvquant:
         input:
-            MODEL_DIR,
+            KVQ_ACTIVATIONS,
         output:
             directory(str(naming.kvquant_dir(W, M, GRID.kvquant_ktag(), "kvquant-b{kbits}-{weighting}-o{frac}"))),
         wildcard_constraints:
@@ -25,7 +41,8 @@ if GRID.kvquant_specs():
         params:
             kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
         shell:
-            "{PY} -m palu.cli.fit_kvquant {COMMON} {params.kv} out={output} progress=false > {log} 2>&1"
+            "{PY} -m palu.cli.fit_kvquant {COMMON} {params.kv} kvquant.activations={input} "
+            "out={output} progress=false > {log} 2>&1"
 
 
 rule ppl_vs_bytes_figure:

@@ -1,8 +1,9 @@
-"""Step `fit_kvquant`: KVQuant's per-layer codebooks and key channel ranges, fitted on windows of
-the calibration corpus (`kvquant.*` settings); `method=kvquant method.state=<out>` reads them."""
+"""Step `fit_kvquant`: KVQuant's per-layer codebooks and key channel ranges (`kvquant.*`
+settings), from a capture of calibration activations (`kvquant.activations`, the
+kvquant_capture step) or captured here; `method=kvquant method.state=<out>` reads them."""
 from __future__ import annotations
 
-from ..methods.kvquant import fit_kvquant
+from ..methods.kvquant import KVQuantActivations, capture_activations, fit_from_activations
 from ..models.loading import load_model
 from ..pipeline import naming
 from .common import calibration_windows_of, entry_point, log, model_path
@@ -11,13 +12,21 @@ from .common import calibration_windows_of, entry_point, log, model_path
 def run(cfg) -> str:
     k = cfg.kvquant
     out = cfg.out or str(naming.kvquant_dir_of(cfg))
-    model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
-    windows = calibration_windows_of(cfg, tok, k.samples, k.seqlen, k.seed)
-    info = {"calibration_tag": naming.kvquant_calibration_tag_of(cfg), "model": cfg.model.name,
-            "corpus": cfg.calibration.corpus}
-    state = fit_kvquant(model, windows, bits=k.bits, weighting=k.weighting,
-                        outlier_fraction=k.outlier_fraction, tokens_per_window=k.tokens_per_window,
-                        seed=k.seed, progress=cfg.progress, info=info)
+    if k.activations:
+        captured = KVQuantActivations.load(k.activations)
+        if captured.info.get("calibration_tag") != naming.kvquant_calibration_tag_of(cfg):
+            raise ValueError(f"kvquant.activations={k.activations} were captured on "
+                             f"{captured.info.get('calibration_tag')!r}, not on the configured "
+                             f"{naming.kvquant_calibration_tag_of(cfg)!r}")
+    else:
+        model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
+        windows = calibration_windows_of(cfg, tok, k.samples, k.seqlen, k.seed)
+        info = {"calibration_tag": naming.kvquant_calibration_tag_of(cfg), "model": cfg.model.name,
+                "corpus": cfg.calibration.corpus}
+        captured = capture_activations(model, windows, fisher=k.weighting == "fisher",
+                                       tokens_per_window=k.tokens_per_window, seed=k.seed,
+                                       progress=cfg.progress, info=info)
+    state = fit_from_activations(captured, k.bits, k.weighting, k.outlier_fraction)
     state.save(out)
     log.info("KVQuant %s fitted on %d tokens -> %s", state.tag, state.info["tokens"], out)
     return out

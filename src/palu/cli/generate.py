@@ -1,46 +1,39 @@
 """Step `generate`: greedy text through a method's cache, and the cache bytes of a long prefill.
 
-Writes a JSON: the text, and the measured bytes of the method's cache and of the ordinary FP
-cache after a `generate.context`-token prefill (collect's cache_memory table gathers them).
+Writes a JSON: the text, and the measured bytes of the method's cache after a
+`generate.context`-token prefill (collect's cache_memory table gathers the methods, FP16 too).
 """
 from __future__ import annotations
 
 import torch
 
-from ..cache.memory import bytes_summary, fp16_equivalent, prefill_nbytes
+from ..cache.memory import bytes_summary, prefill_nbytes
 from ..config import method_of
 from ..data.corpora import load_corpus
 from ..data.windows import bos_token_for, evaluation_windows, tokenize
 from ..io import write_json
-from ..methods import build_method
 from ..models.loading import load_model
 from ..pipeline import naming
 from .common import entry_point, log, model_path, record
 
 
 def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
-    path = model_path(cfg)
-    method, full = method_of(cfg), build_method({"name": "fp16"})
-    base, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
-    model, _ = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
+    method = method_of(cfg)
+    model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     method.install(model)
     text = tokenize(tok, load_corpus(cfg.data.corpus, path=cfg.data.path).evaluation_text)
     ids = evaluation_windows(text, context, bos=bos_token_for(tok, cfg.data.bos))[:1]
     ids = ids.to(cfg.device)
-    elem = next(base.parameters()).element_size()
-    dense, stored = prefill_nbytes(base, full, ids), prefill_nbytes(model, method, ids)
+    elem = next(model.parameters()).element_size()
+    stored = prefill_nbytes(model, method, ids)
     prompt_ids = tok(prompt, return_tensors="pt").input_ids.to(cfg.device)
     with torch.no_grad():
         out = model.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False,
                              past_key_values=method.make_cache(model))
-        ref = base.generate(prompt_ids, max_new_tokens=new_tokens, do_sample=False)
-    sizes = bytes_summary(stored, elem, model.config, ids.shape[1])
     result = {"method": method.tag, "run": naming.run_name(method.tag, method.lineage()),
               "context": context, "dtype": cfg.model.dtype,
-              "fp_cache_bytes": dense["total"], "fp_cache_bytes_fp16": fp16_equivalent(dense, elem),
-              **sizes, "ratio_vs_fp16": sizes["cache_bytes_fp16"] / fp16_equivalent(dense, elem),
-              "prompt": prompt, "method_text": tok.decode(out[0, prompt_ids.shape[1]:]),
-              "fp16_text": tok.decode(ref[0, prompt_ids.shape[1]:])}
+              **bytes_summary(stored, elem, model.config, ids.shape[1]),
+              "prompt": prompt, "text": tok.decode(out[0, prompt_ids.shape[1]:])}
     return {**record(cfg), "result": result, "summary": method.summary()}
 
 
@@ -50,8 +43,8 @@ def run(cfg) -> dict:
     payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
     write_json(out, payload)
     r = payload["result"]
-    log.info("%s at %d tokens: %d bytes (%.2f bits per element, %.3f of FP16); wrote %s",
-             r["method"], r["context"], r["cache_bytes"], r["effective_bits"], r["ratio_vs_fp16"], out)
+    log.info("%s at %d tokens: %d bytes (%.2f bits per element); wrote %s",
+             r["method"], r["context"], r["cache_bytes"], r["effective_bits"], out)
     return payload
 
 

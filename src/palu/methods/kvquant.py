@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..cache.quant_cache import Schedule
-from ..io import atomic_dir, sha256_file
+from ..io import atomic_dir, atomic_path, sha256_file
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 from ..quant.codebook import lloyd_max
@@ -215,7 +215,48 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
         for h in handles:
             h.remove()
     cat = lambda lst: torch.cat(lst) if lst else None
-    return {key: cat(v) for key, v in acts.items()}, {key: cat(v) for key, v in grads.items()}
+    return {key: cat(v) for key, v in acts.items()}, ({key: cat(v) for key, v in grads.items()}
+                                                      if fisher else None)
+
+
+@dataclass
+class KVQuantActivations:
+    """Calibration activations KVQuant fits on: per layer, pre-RoPE keys and values (N, H, d)
+    of sampled tokens and (with `fisher`) their squared gradients. One capture serves every bit
+    width, weighting and outlier fraction (the pipeline's kvquant_capture step)."""
+    acts: dict      # {(layer, "k" | "v"): (N, H, d)}
+    grads: Optional[dict]
+    info: dict
+
+    def save(self, path: str | Path) -> None:
+        tensors = {f"{kind}{i}": t for (i, kind), t in self.acts.items()}
+        if self.grads is not None:
+            tensors.update({f"g{kind}{i}": t for (i, kind), t in self.grads.items()})
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"info": json.dumps(self.info, sort_keys=True)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "KVQuantActivations":
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            info = json.loads(f.metadata()["info"])
+        t = load_file(str(path))
+        layers = info["layers"]
+        acts = {(i, kind): t[f"{kind}{i}"] for i in range(layers) for kind in "kv"}
+        grads = ({(i, kind): t[f"g{kind}{i}"] for i in range(layers) for kind in "kv"}
+                 if "gk0" in t else None)
+        return cls(acts, grads, info)
+
+
+def capture_activations(model, windows: torch.Tensor, fisher: bool = True, tokens_per_window: int = 256,
+                        seed: int = 0, progress: bool = True, info: Optional[dict] = None) -> KVQuantActivations:
+    """Keys, values (and squared gradients) of `tokens_per_window` random tokens per window."""
+    acts, grads = _capture(model, windows, fisher, tokens_per_window, seed, progress)
+    layers = geometry_of(model.config).num_layers
+    return KVQuantActivations(acts, grads, {**(info or {}), "layers": layers,
+                                            "tokens": int(acts[(0, "k")].shape[0]),
+                                            "windows": int(len(windows)), "tokens_per_window": tokens_per_window,
+                                            "seed": seed, "fisher": fisher})
 
 
 def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "fisher",
@@ -224,12 +265,23 @@ def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "f
     """Fit KVQuant's per-layer codebooks (and the keys' per-channel ranges) on calibration
     `windows` (n, T) of an *unmodified* model."""
     check_settings(bits, weighting, outlier_fraction)
-    geom = geometry_of(model.config)
-    k_out = outliers_per_vector(outlier_fraction, geom.head_dim)
-    acts, grads = _capture(model, windows, weighting == "fisher", tokens_per_window, seed, progress)
+    captured = capture_activations(model, windows, weighting == "fisher", tokens_per_window, seed,
+                                   progress, info)
+    return fit_from_activations(captured, bits, weighting, outlier_fraction)
+
+
+def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str,
+                         outlier_fraction: float) -> KVQuantState:
+    check_settings(bits, weighting, outlier_fraction)
+    if weighting == "fisher" and captured.grads is None:
+        raise ValueError("weighting=fisher needs activations captured with their gradients (fisher=True)")
+    acts, grads = captured.acts, captured.grads
+    n_layers = captured.info["layers"]
+    d = acts[(0, "k")].shape[-1]
+    k_out = outliers_per_vector(outlier_fraction, d)
     key_cb, value_cb, offsets, scales = [], [], [], []
     q = outlier_fraction / 2
-    for i in range(geom.num_layers):
+    for i in range(n_layers):
         keys, values = acts[(i, "k")], acts[(i, "v")]
         lo = torch.quantile(keys, q, dim=0) if q > 0 else keys.amin(0)
         hi = torch.quantile(keys, 1 - q, dim=0) if q > 0 else keys.amax(0)
@@ -237,7 +289,6 @@ def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "f
         offsets.append(off.half().float())
         scales.append(sc.half().float())
         # the normalised entries each codebook will code (outliers taken out as at encode time)
-        d = geom.head_dim
         probe = KVQuantCodec(bits, None, k_out, per_channel=True, head_dim=d,
                              channel_offset=[offsets[-1]] * (i + 1), channel_scale=[scales[-1]] * (i + 1))
         zk, _ = probe._normalise(keys[None].transpose(1, 2), i)
@@ -250,8 +301,7 @@ def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "f
             w = grads[(i, kind)][None].transpose(1, 2)[kept] if weighting == "fisher" else torch.ones(int(kept.sum()))
             # stored and counted as fp16
             out.append(lloyd_max(z[kept], w + (1e-30 if weighting == "fisher" else 0), 2 ** bits).half().float())
-    n_tokens = 0 if acts[(0, "k")] is None else acts[(0, "k")].shape[0]
+    info = {k: v for k, v in captured.info.items() if k not in ("layers", "fisher")}
     return KVQuantState(bits, weighting, float(outlier_fraction), torch.stack(key_cb), torch.stack(value_cb),
                         torch.stack(offsets), torch.stack(scales),
-                        {**(info or {}), "tokens": n_tokens, "windows": int(len(windows)),
-                         "outliers_per_vector": k_out, "tokens_per_window": tokens_per_window})
+                        {**info, "outliers_per_vector": k_out})

@@ -212,12 +212,12 @@ class Grid:
 
     def memory_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict]:
         """Runs whose cache bytes and generated text the cache_memory table shows at a long
-        prompt: the memory checkpoint's latents at `memory.bits`, `memory.methods`, and KVQuant
-        at `memory.kvquant_bits` (when the quantization table fits it)."""
+        prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
+        `memory.methods`, and KVQuant at `memory.kvquant_bits` (when the quantization table fits it)."""
         m, base = self.c["memory"], self.memory_spec()
         palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
                 for b in m.get("bits", [16])]
-        out: dict = {self.run_name(s): s for s in palu}
+        out: dict = {"fp16": None, **{self.run_name(s): s for s in palu}}
         out.update(self._configured_methods(m.get("methods")))
         kv = [s for s in self.kvquant_specs() if s.bits == m.get("kvquant_bits")]
         out.update({self.run_name(s): s for s in kv[:1]})

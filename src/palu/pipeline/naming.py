@@ -82,6 +82,11 @@ def kvquant_calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, d
     return calibration_tag(corpus, samples, seqlen, seed, dtype, bos)
 
 
+def kvquant_activations_path(work: str, model: str, ktag: str) -> Path:
+    """The calibration activations every KVQuant state of these windows is fitted from."""
+    return Path(work) / "kvquant" / model / ktag / "activations.safetensors"
+
+
 def kvquant_dir(work: str, model: str, ktag: str, state: str) -> Path:
     """work/kvquant/<model>/<calibration windows>/<state tag>/ (state.safetensors + manifest)."""
     return Path(work) / "kvquant" / model / ktag / state
@@ -165,6 +170,10 @@ def checkpoint_dir_of(cfg) -> Path:
 def kvquant_calibration_tag_of(cfg) -> str:
     c, k = cfg.calibration, cfg.kvquant
     return kvquant_calibration_tag(c.corpus, k.samples, k.seqlen, k.seed, cfg.model.dtype, c.bos)
+
+
+def kvquant_activations_path_of(cfg) -> Path:
+    return kvquant_activations_path(cfg.paths.work, cfg.model.name, kvquant_calibration_tag_of(cfg))
 
 
 def kvquant_dir_of(cfg) -> Path:

@@ -68,37 +68,46 @@ def pareto_front(bits: np.ndarray, ppl: np.ndarray) -> np.ndarray:
     return np.array(front, dtype=int)
 
 
-def ppl_vs_bytes_figure(table_csv: str | Path, out: str | Path) -> None:
+def ppl_vs_bytes_figure(table_csv: str | Path, out: str | Path, clip: float = 4.0) -> None:
     """Perplexity against the effective bits per K/V element each cache really stored (metadata
-    and exact tokens included), one panel per corpus, the Pareto front drawn."""
+    and exact tokens included), one panel per corpus, the Pareto front drawn. Points above `clip`
+    x the FP16 perplexity are drawn at the top edge with their value."""
     import pandas as pd
     frame = pd.read_csv(table_csv)
     if frame["effective_bits"].isna().any():
         missing = frame.loc[frame["effective_bits"].isna(), "method"].tolist()
         raise ValueError(f"{table_csv}: rows without measured bytes: {missing}")
     corpora = sorted(frame["corpus"].unique())
-    fig, axes = plt.subplots(1, len(corpora), figsize=(6.2 * len(corpora), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(corpora), figsize=(6.4 * len(corpora), 4.8), squeeze=False)
     for ax, corpus in zip(axes[0], corpora):
         part = frame[frame["corpus"] == corpus].reset_index(drop=True)
+        bits, ppl = part["effective_bits"].to_numpy(float), part["ppl"].to_numpy(float)
+        fp = part.loc[part["method"] == "fp16", "ppl"]
+        top = clip * (fp.iloc[0] if len(fp) else np.median(ppl))
         seen = set()
-        for _, row in part.iterrows():
+        for k, row in part.iterrows():
             fam = _family_label(row)
             marker, colour = FAMILY_STYLE.get(fam, ("x", "gray"))
-            ax.scatter(row["effective_bits"], row["ppl"], marker=marker, color=colour, s=46,
-                       label=None if fam in seen else fam, zorder=3)
+            y = min(ppl[k], top)
+            ax.scatter(bits[k], y, marker=marker, color=colour, s=46, zorder=3,
+                       label=None if fam in seen else fam)
             seen.add(fam)
-            ax.annotate(_short(row), (row["effective_bits"], row["ppl"]), fontsize=5.5,
-                        xytext=(3, 2), textcoords="offset points")
-        front = pareto_front(part["effective_bits"].to_numpy(float), part["ppl"].to_numpy(float))
-        ax.step(part["effective_bits"].to_numpy()[front], part["ppl"].to_numpy()[front], where="post",
-                color="gray", lw=1, ls="--", label="Pareto front", zorder=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("effective bits per K/V element (measured bytes x 8 / elements)")
+            label = _short(row) + ("" if ppl[k] <= top else f" ({ppl[k]:.0f}, off scale)")
+            ax.annotate(label, (bits[k], y), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+        front = pareto_front(bits, ppl)
+        ax.step(bits[front], np.minimum(ppl[front], top), where="post", color="gray", lw=1, ls="--",
+                label="Pareto front", zorder=2)
+        if len(fp):
+            ax.axhline(fp.iloc[0], color="black", lw=0.6, ls=":")
+        ax.set_xscale("log", base=2)
+        ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8, 16) if bits.min() * 0.9 <= t <= bits.max() * 1.1]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set_ylim(top=top * 1.08)
+        ax.set_xlabel("effective bits per K/V element (measured bytes x 8 / elements, log scale)")
         ax.set_ylabel("perplexity")
-        label = part["corpus_label"].iloc[0] if "corpus_label" in part else corpus
-        ax.set_title(f"{label}, {int(part['seqlen'].iloc[0])}-token windows")
+        ax.set_title(f"{corpus}, {int(part['seqlen'].iloc[0])}-token windows")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
     _save(fig, out)
 
 

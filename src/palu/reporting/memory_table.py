@@ -8,22 +8,27 @@ import pandas as pd
 
 from ..io import read_json, write_text
 
-COLUMNS = ["method", "context", "dtype", "cache_bytes", "cache_bytes_fp16", "fp_cache_bytes_fp16",
-           "effective_bits", "ratio_vs_fp16", "cache_data_bytes", "cache_metadata_bytes",
-           "cache_full_precision_bytes", "method_text", "fp16_text", "prompt"]
+COLUMNS = ["method", "context", "dtype", "cache_bytes", "cache_bytes_fp16", "effective_bits",
+           "ratio_vs_fp16", "cache_data_bytes", "cache_metadata_bytes", "cache_full_precision_bytes",
+           "text", "prompt"]
 
 
 def memory_table(paths: list[str]) -> pd.DataFrame:
+    """One row per method; the fp16 run (transformers' DynamicCache) is the reference."""
     if not paths:
         raise ValueError("no generate results given to build the cache_memory table from")
-    rows = [read_json(p)["result"] for p in paths]
-    contexts = {r["context"] for r in rows}
-    if len(contexts) != 1:
-        raise ValueError(f"cache_memory rows at different contexts {sorted(contexts)}: {paths}")
-    frame = pd.DataFrame(rows)
-    missing = sorted(set(COLUMNS) - set(frame.columns))
+    frame = pd.DataFrame([read_json(p)["result"] for p in paths])
+    needed = set(COLUMNS) - {"ratio_vs_fp16"}
+    missing = sorted(needed - set(frame.columns))
     if missing:
         raise ValueError(f"generate results without {missing} (run the generate step again): {paths}")
+    for key in ("context", "prompt"):
+        if frame[key].nunique() != 1:
+            raise ValueError(f"cache_memory rows with different {key}s {sorted(set(frame[key]))}: {paths}")
+    if "fp16" not in set(frame["method"]):
+        raise ValueError(f"cache_memory needs the fp16 run as its reference: {paths}")
+    fp = frame.loc[frame["method"] == "fp16", "cache_bytes_fp16"].iloc[0]
+    frame["ratio_vs_fp16"] = frame["cache_bytes_fp16"] / fp
     return frame[COLUMNS].sort_values("effective_bits", ascending=False).reset_index(drop=True)
 
 
@@ -35,16 +40,13 @@ def to_markdown(frame: pd.DataFrame) -> str:
              "Bytes of each method's cache after one prefill: packed codes, metadata (scales, "
              "minima, norms, outliers and their indices, codebooks, positions) and the tokens kept "
              "exact. fp16-equivalent: what is kept in the model's dtype counted at 2 bytes.\n",
-             f"FP cache (transformers DynamicCache), fp16-equivalent: "
-             f"{r0['fp_cache_bytes_fp16'] / mib:.2f} MiB\n",
              "| method | bytes as stored | fp16-equivalent MiB | bits / element | of FP16 |",
              "|---|---:|---:|---:|---:|"]
     for _, r in frame.iterrows():
         lines.append(f"| {r['method']} | {r['cache_bytes']} | {r['cache_bytes_fp16'] / mib:.2f} | "
                      f"{r['effective_bits']:.3f} | {r['ratio_vs_fp16']:.4f} |")
-    lines += ["", f"## Greedy generation (prompt: {r0['prompt']!r})", "",
-              f"- FP model: {r0['fp16_text']!r}"]
-    lines += [f"- {r['method']}: {r['method_text']!r}" for _, r in frame.iterrows()]
+    lines += ["", f"## Greedy generation (prompt: {r0['prompt']!r})", ""]
+    lines += [f"- {r['method']}: {r['text']!r}" for _, r in frame.iterrows()]
     return "\n".join(lines) + "\n"
 
 
