@@ -29,7 +29,7 @@ from ..io import atomic_dir, atomic_path, sha256_file
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 from ..quant.codebook import lloyd_max
-from ..quant.codecs import KVQuantCodec, _top_outliers
+from ..quant.codecs import KVQuantCodec, top_outliers
 from .base import MethodError
 from .quantized_kv import QuantizedKV
 
@@ -291,11 +291,11 @@ def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str
         # the normalised entries each codebook will code (outliers taken out as at encode time)
         probe = KVQuantCodec(bits, None, k_out, per_channel=True, head_dim=d,
                              channel_offset=[offsets[-1]] * (i + 1), channel_scale=[scales[-1]] * (i + 1))
-        zk, _ = probe._normalise(keys[None].transpose(1, 2), i)
-        zv, _ = KVQuantCodec(bits, None, k_out, per_channel=False, head_dim=d)._normalise(
+        zk, _ = probe.normalise(keys[None].transpose(1, 2), i)
+        zv, _ = KVQuantCodec(bits, None, k_out, per_channel=False, head_dim=d).normalise(
             values[None].transpose(1, 2), i)
         for z, kind, out in ((zk, "k", key_cb), (zv, "v", value_cb)):
-            idx, _ = _top_outliers(z, k_out)
+            idx, _ = top_outliers(z, k_out)
             kept = torch.ones_like(z, dtype=torch.bool) if idx is None else \
                 torch.ones_like(z, dtype=torch.bool).scatter(-1, idx, False)
             w = grads[(i, kind)][None].transpose(1, 2)[kept] if weighting == "fisher" else torch.ones(int(kept.sum()))

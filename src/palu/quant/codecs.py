@@ -74,7 +74,7 @@ class TurboCodec(Codec):
         return {"quantised": B * H * tokens * packed_width(d, self.bits), "metadata": B * H * tokens * 2}
 
 
-def _top_outliers(z: torch.Tensor, k: int):
+def top_outliers(z: torch.Tensor, k: int):
     """Indices (uint8) of the k largest |z| per vector (last axis), and z with them zeroed."""
     if k == 0:
         return None, z
@@ -97,13 +97,14 @@ class KVQuantCodec(Codec):
         self.bits, self.codebooks, self.k, self.d = bits, codebooks, outliers, head_dim
         self.per_channel, self.offset, self.scale = per_channel, channel_offset, channel_scale
 
-    def _normalise(self, x, layer):
+    def normalise(self, x, layer):
+        """x in the codebook's units, and the per-vector metadata that normalisation stored."""
         xf = x.float()
         if self.per_channel:
             off = self.offset[layer].to(x.device)[None, :, None, :]
             sc = self.scale[layer].to(x.device)[None, :, None, :]
             return (xf - off) / sc, {}
-        idx, rest = _top_outliers(xf, self.k)
+        idx, rest = top_outliers(xf, self.k)
         if idx is None:
             lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
         else:
@@ -115,8 +116,8 @@ class KVQuantCodec(Codec):
         return (xf - off.float()) / sc.float(), {"offset": off, "scale": sc}
 
     def encode(self, x, layer):
-        z, meta = self._normalise(x, layer)
-        idx, dense = _top_outliers(z, self.k)
+        z, meta = self.normalise(x, layer)
+        idx, dense = top_outliers(z, self.k)
         codes = nearest(dense, self.codebooks[layer])
         out = {"codes": pack_codes(codes, self.bits), **meta}
         if idx is not None:
