@@ -290,10 +290,10 @@ def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str
         scales.append(sc.half().float())
         # the normalised entries each codebook will code (outliers taken out as at encode time)
         probe = KVQuantCodec(bits, None, k_out, per_channel=True, head_dim=d,
-                             channel_offset=[offsets[-1]] * (i + 1), channel_scale=[scales[-1]] * (i + 1))
-        zk, _ = probe.normalise(keys[None].transpose(1, 2), i)
+                             channel_offset=[offsets[-1]], channel_scale=[scales[-1]])
+        zk, _ = probe.normalise(keys[None].transpose(1, 2), 0)        # this layer's ranges
         zv, _ = KVQuantCodec(bits, None, k_out, per_channel=False, head_dim=d).normalise(
-            values[None].transpose(1, 2), i)
+            values[None].transpose(1, 2), 0)
         for z, kind, out in ((zk, "k", key_cb), (zv, "v", value_cb)):
             idx, _ = top_outliers(z, k_out)
             kept = torch.ones_like(z, dtype=torch.bool) if idx is None else \

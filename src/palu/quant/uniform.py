@@ -11,16 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from palu_kernels.layout import SUPPORTED_BITS, pack_codes, unpack_codes
-
-AXES = ("channel", "token")
-MIN_SCALE = 2.0 ** -14   # a constant group gets fp16's smallest normal scale, never zero
-
-
-def check_bits(bits) -> int:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not one of {list(SUPPORTED_BITS)}")
-    return int(bits)
+# MIN_SCALE: a constant group gets fp16's smallest normal scale, never zero (as the latents do)
+from palu_kernels.layout import MIN_SCALE, pack_codes, unpack_codes
 
 
 def check_group(group: int, size: int, what: str) -> int:
@@ -57,7 +49,3 @@ def dequantize(enc: dict, bits: int, group: int, axis: str, dtype) -> torch.Tens
     g, dim = _grouped(q, group, axis)
     x = g * enc["scale"].float().unsqueeze(dim) + enc["min"].float().unsqueeze(dim)
     return x.reshape(q.shape).to(dtype)
-
-
-def encoded_nbytes(enc: dict) -> int:
-    return sum(t.numel() * t.element_size() for t in enc.values())
