@@ -97,6 +97,7 @@ class TrackingConfig:
     project: str = "palu"
     entity: Optional[str] = None
     dir: str = "work/wandb"
+    upload: str = "small"               # artifact bytes to W&B: none | small (files <= 1 MiB) | all
 
 
 @dataclass
@@ -129,6 +130,7 @@ _CHOICES = {
     "palu.decomposition": DECOMPOSITIONS,
     "palu.rotation": ROTATIONS,
     "tracking.mode": ("offline", "online", "disabled"),
+    "tracking.upload": ("none", "small", "all"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),
     "data.bos": BOS_SETTINGS,
     "calibration.bos": BOS_SETTINGS,

@@ -30,7 +30,9 @@ def _planned_rules(output: str) -> set[str]:
 
 def test_small_grid_end_to_end(prepared_model, tmp_path):
     results = TEST_WORK / "results"
-    shutil.rmtree(results, ignore_errors=True)
+    # every step reruns (as on a clean clone), so each one's W&B run can be checked
+    for made in ("results", "calib", "ranks", "palu", "kvquant", "wandb"):
+        shutil.rmtree(TEST_WORK / made, ignore_errors=True)
     _snakemake("--configfile", "conf/grid/small.yaml")
     for table in ("baseline", "granularity", "rank_search"):
         frame = pd.read_csv(results / "tables" / f"{table}.csv")
@@ -58,6 +60,8 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
         run = json.loads(path.read_text())["metrics"]["run"]
         assert path.parent == results / "runs" / "smollm2-135m" / run, (path, run)
 
+    _check_wandb_runs(TEST_WORK / "wandb", results)
+
     # A rerun after success does nothing.
     assert "Nothing to be done" in _snakemake("--configfile", "conf/grid/small.yaml", "-n")
 
@@ -68,6 +72,48 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     changed.write_text(yaml.safe_dump(grid))
     planned = _planned_rules(_snakemake("--configfile", str(changed), "-n"))
     assert planned == {"evaluate", "collect_table", "ppl_vs_bytes_figure"}, planned
+
+
+STEPS = {"calibrate": "gram", "fisher": "fisher", "ranks": "ranks", "decompose": "checkpoint",
+         "kvquant_capture": "kvquant_activations", "fit_kvquant": "kvquant_state", "evaluate": "metrics",
+         "generate": "memory", "collect": None}
+
+
+def _check_wandb_runs(wandb_dir, results):
+    """One offline run per executed step (the small grid runs every step but prepare, which the
+    fixture did), each with its config, summary and artifacts; a perplexity's lineage reaches
+    the calibration through the checkpoint and the ranks; the collect runs hold the tables."""
+    from palu.tracking import format_lineage, lineage, read_runs
+    runs = read_runs(wandb_dir)
+    jobs = {}
+    for run in runs:
+        jobs.setdefault(run.job_type, []).append(run)
+    assert set(jobs) == set(STEPS), sorted(jobs)
+    assert len({r.id for r in runs}) == len(runs)           # no step ran twice
+    outputs = len(list((results / "runs").rglob("ppl-*.json")))
+    assert len(jobs["evaluate"]) == outputs
+    for job, kind in STEPS.items():
+        for run in jobs[job]:
+            assert run.exit_code == 0 and run.group in ("smollm2-135m", "tables"), (job, run.name)
+            if kind:
+                assert [a["type"] for a in run.made] == [kind], (job, run.name, run.made)
+                assert run.config["calibration"]["samples"] == 2    # the full resolved config
+    assert all(r.summary["ppl"] > 1 for r in jobs["evaluate"])
+    palu = sorted((results / "runs").rglob("palu-whitened-fisher-*/**/ppl-*.json"))[0]
+    tree = lineage(palu, runs)
+    text = format_lineage(tree)
+    kinds = {c.kind: c for c in tree.inputs}
+    assert tree.run.job_type == "evaluate" and {"checkpoint", "model"} <= set(kinds), text
+    ckpt = {c.kind: c for c in kinds["checkpoint"].inputs}
+    assert kinds["checkpoint"].run.job_type == "decompose" and {"gram", "ranks"} <= set(ckpt), text
+    assert ckpt["gram"].run.job_type == "calibrate" and ckpt["ranks"].run.job_type == "ranks", text
+    assert ckpt["ranks"].inputs[0].run.job_type == "fisher", text
+    assert "different version" not in text, text
+    tables = {r.name: r for r in jobs["collect"]}
+    quant = tables["tables/quantization"]
+    assert quant.media["tables/quantization"] == "table-file"
+    assert quant.plots["quantization/ppl_vs_bits/wiki_standin"] == "wandb/scatter/v0"
+    assert tables["figures/ppl_vs_bytes"].media["figures/ppl_vs_bytes"] == "image-file"
 
 
 def test_slurm_profile_dry_run(prepared_model):

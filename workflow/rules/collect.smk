@@ -11,10 +11,9 @@ rule collect_table:
     params:
         inputs=lambda w, input: ",".join(input),
         prefix=lambda w: str(naming.table_prefix(R, w.table)),
-        tracking=config.get("tracking", "offline"),
     shell:
         "{PY} -m palu.cli.collect table={wildcards.table} 'inputs=[{params.inputs}]' "
-        "out={params.prefix} tracking={params.tracking} paths.work={W} > {log} 2>&1"
+        "out={params.prefix} {TRACK} > {log} 2>&1"
 
 
 rule rank_allocation_figure:
@@ -26,7 +25,7 @@ rule rank_allocation_figure:
         log("collect", "rank_allocation"),
     shell:
         "{PY} -m palu.cli.collect table=rank_allocation 'inputs=[{input}]' out={output} "
-        "tracking=disabled > {log} 2>&1"
+        "{TRACK} > {log} 2>&1"
 
 
 rule cache_memory_run:
@@ -43,7 +42,7 @@ rule cache_memory_run:
     threads: workflow.cores
     shell:
         "{PY} -m palu.cli.generate {COMMON} {params.method} data={params.corpus} "
-        "generate.context={params.context} out={output} tracking=disabled progress=false "
+        "generate.context={params.context} out={output} progress=false "
         "> {log} 2>&1"
 
 
@@ -60,4 +59,4 @@ rule cache_memory:
         prefix=str(naming.table_prefix(R, "cache_memory")),
     shell:
         "{PY} -m palu.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
-        "out={params.prefix} tracking=disabled > {log} 2>&1"
+        "out={params.prefix} {TRACK} > {log} 2>&1"

@@ -5,12 +5,17 @@ from palu.decompose.factors import DECOMPOSITIONS
 from palu.decompose.ranks import RANK_METHODS
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid, KVQuantSpec, PaluSpec
+from palu.tracking import check_tracking
 
 GRID = Grid(config)
 PY = sys.executable          # shell commands must use the venv's interpreter
 W, R, M = GRID.work, GRID.results, GRID.model
 CTAG, FTAG, MULT = GRID.ctag, GRID.ftag, config["rank_multiple"]
 COMMON = " ".join(GRID.common_overrides())
+# W&B for the steps that take no COMMON (collect, figures); a bad mode or an unwritable W&B
+# folder stops the workflow here, before any step runs
+TRACK = f"tracking={GRID.tracking.mode} paths.work={W} paths.results={R}"
+check_tracking(GRID.tracking)
 TABLES = GRID.tables()
 MODEL_DIR = GRID.prepared_model()
 

@@ -1,6 +1,7 @@
 # GPU benchmarks (the palu_bench package beside the library). `latency` / `decode` run only
 # where a CUDA GPU is visible (they fail clearly elsewhere); their JSON results are committed,
 # so the table rules rebuild the tables and figures on any machine.
+BENCH_TRACK = f"tracking.mode={GRID.tracking.mode} tracking.dir={GRID.tracking.dir}"
 LATENCY_DIR, DECODE_DIR = naming.gpu_results_dir(R, "latency"), naming.gpu_results_dir(R, "decode")
 LATENCY_JSON = sorted(str(p) for p in LATENCY_DIR.glob("*.json") if "tune" not in p.name)
 DECODE_JSON = sorted(str(p) for p in DECODE_DIR.glob("*.json"))
@@ -15,7 +16,7 @@ rule latency:
     log:
         log("latency", "{device}-{shape}"),
     shell:
-        "{PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} > {log} 2>&1"
+        "{PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule latency_table:
@@ -32,7 +33,7 @@ rule latency_table:
         prefix=str(naming.table_prefix(R, "latency")),
     shell:
         "{PY} -m palu_bench.cli.table table=latency 'inputs=[{params.inputs}]' "
-        "out={params.prefix} figure={output.fig} > {log} 2>&1"
+        "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule decode:
@@ -41,7 +42,7 @@ rule decode:
     log:
         log("decode", "{device}"),
     shell:
-        "{PY} -m palu_bench.cli.decode out={output} > {log} 2>&1"
+        "{PY} -m palu_bench.cli.decode out={output} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule decode_table:
@@ -58,4 +59,4 @@ rule decode_table:
         prefix=str(naming.table_prefix(R, "decode")),
     shell:
         "{PY} -m palu_bench.cli.table table=decode 'inputs=[{params.inputs}]' "
-        "out={params.prefix} figure={output.fig} > {log} 2>&1"
+        "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"

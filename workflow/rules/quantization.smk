@@ -54,7 +54,7 @@ rule ppl_vs_bytes_figure:
         log("collect", "ppl_vs_bytes"),
     shell:
         "{PY} -m palu.cli.collect table=ppl_vs_bytes 'inputs=[{input}]' out={output} "
-        "tracking=disabled > {log} 2>&1"
+        "{TRACK} > {log} 2>&1"
 
 
 rule latent_outliers_figure:
@@ -71,4 +71,4 @@ rule latent_outliers_figure:
     threads: workflow.cores
     shell:
         "{PY} -m palu.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
-        "corpus={params.corpus} out={output} tracking=disabled > {log} 2>&1"
+        "corpus={params.corpus} out={output} {TRACK} > {log} 2>&1"

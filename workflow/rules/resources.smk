@@ -6,4 +6,4 @@ rule prepare_model:
     benchmark:
         bench("prepare", "{model}")
     shell:
-        "{PY} -m palu.cli.prepare model={wildcards.model} paths.work={W} out={output} > {log} 2>&1"
+        "{PY} -m palu.cli.prepare model={wildcards.model} paths.work={W} tracking={GRID.tracking.mode} out={output} > {log} 2>&1"

@@ -11,12 +11,14 @@ import hydra
 from omegaconf import OmegaConf
 
 from ..decode import run
-from .common import CONF_DIR, log
+from .common import CONF_DIR, log, tracked
 
 
 @hydra.main(config_path=CONF_DIR, config_name="decode", version_base="1.3")
 def main(cfg) -> None:
-    run(OmegaConf.to_container(cfg.bench, resolve=True), out=cfg.out, log=log.info)
+    with tracked(cfg, "decode") as wb:
+        run(OmegaConf.to_container(cfg.bench, resolve=True), out=cfg.out, log=log.info)
+        wb.make("benchmark", cfg.out)
 
 
 if __name__ == "__main__":

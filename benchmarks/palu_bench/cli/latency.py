@@ -10,7 +10,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from ..latency import run
-from .common import CONF_DIR, log
+from .common import CONF_DIR, log, tracked
 
 
 @hydra.main(config_path=CONF_DIR, config_name="latency", version_base="1.3")
@@ -20,7 +20,9 @@ def main(cfg) -> None:
         if cfg.shape not in bench["shapes"]:
             raise ValueError(f"shape={cfg.shape!r} is not one of {sorted(bench['shapes'])}")
         bench["shapes"] = {cfg.shape: bench["shapes"][cfg.shape]}   # tune rows follow (tune_plan)
-    run(bench, out=cfg.out, log=log.info)
+    with tracked(cfg, "latency") as wb:
+        run(bench, out=cfg.out, log=log.info)
+        wb.make("benchmark", cfg.out)
 
 
 if __name__ == "__main__":

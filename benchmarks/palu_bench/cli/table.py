@@ -7,27 +7,31 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import hydra
 
 from palu.io import read_json, write_text
 
-from .common import CONF_DIR, log
+from .common import CONF_DIR, log, tracked
 
 
-def latency_outputs(inputs: list[str], prefix: str, figure: str) -> None:
+def latency_outputs(inputs: list[str], prefix: str, figure: str):
     from ..report.latency import latency_frame, latency_markdown, speedup_figure
     frame = latency_frame(inputs)
     write_text(f"{prefix}.csv", frame.to_csv(index=False))
     write_text(f"{prefix}.md", latency_markdown(frame, read_json(inputs[0])["ceilings"]))
     speedup_figure(frame, figure)
+    return frame
 
 
-def decode_outputs(inputs: list[str], prefix: str, figure: str) -> None:
+def decode_outputs(inputs: list[str], prefix: str, figure: str):
     from ..report.decode import decode_frame, decode_markdown, memory_figure
     frame, meta = decode_frame(inputs)
     write_text(f"{prefix}.csv", frame.to_csv(index=False))
     write_text(f"{prefix}.md", decode_markdown(frame, meta))
     memory_figure(frame, figure)
+    return frame
 
 
 TABLES = {"latency": latency_outputs, "decode": decode_outputs}
@@ -39,7 +43,15 @@ def run(cfg) -> None:
     inputs = list(cfg.inputs)
     if not inputs:
         raise ValueError(f"table={cfg.table}: no input JSON given")
-    TABLES[cfg.table](inputs, cfg.out, cfg.figure)
+    with tracked(cfg, "collect", name=f"tables/{Path(cfg.out).name}", used={"benchmark": inputs}) as wb:
+        frame = TABLES[cfg.table](inputs, cfg.out, cfg.figure)
+        wb.table(f"tables/{cfg.table}", frame)
+        if wb.enabled:
+            from palu.tracking.plots import native_plots
+            wb.log(native_plots(cfg.table, frame))
+        wb.image(f"figures/{Path(cfg.figure).stem}", cfg.figure)
+        wb.make("table", f"{cfg.out}.csv")
+        wb.make("figure", cfg.figure)
     log.info("%s table from %d files -> %s.{csv,md}, %s", cfg.table, len(inputs), cfg.out, cfg.figure)
 
 

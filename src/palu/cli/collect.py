@@ -1,13 +1,15 @@
-"""Step `collect`: tables (CSV + Markdown) and figures from the runs; logs tables to W&B."""
+"""Step `collect`: tables (CSV + Markdown) and figures from the runs; logs them to W&B (tables as
+W&B tables with their native plots, figures as images, each output an artifact of its inputs)."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from ..reporting.figures import latent_outliers_figure, ppl_vs_bytes_figure, rank_allocation_from_file
 from ..reporting.memory_table import write_memory_table
 from ..reporting.tables import build_table, write_table
-from ..tracking.wandb_run import log_table, tracked_run
-from .common import entry_point, log
+from .common import entry_point, log, tracked
 
 TITLES = {
     "baseline": "Baseline perplexity (unmodified model)",
@@ -22,34 +24,59 @@ NEED_BYTES = {"quantization"}   # tables that compare methods at measured bytes
 FIGURES = {"rank_allocation": rank_allocation_from_file, "ppl_vs_bytes": ppl_vs_bytes_figure}
 
 
-def run(cfg) -> None:
+# what each output's inputs are, as tracked artifact kinds (default: metrics JSON)
+INPUT_KINDS = {"rank_allocation": "ranks", "ppl_vs_bytes": "table", "cache_memory": "memory"}
+
+
+def _used(cfg, inputs: list[str]) -> dict:
+    if cfg.table == "latent_outliers":          # the model folder, then checkpoints
+        return {"model": inputs[0], "checkpoint": inputs[1:]}
+    return {INPUT_KINDS.get(cfg.table, "metrics"): inputs}
+
+
+def _check(cfg, inputs: list[str]) -> None:
     known = sorted(TITLES) + sorted(FIGURES) + ["latent_outliers", "cache_memory"]
     if cfg.table not in known:
         raise ValueError(f"table={cfg.table!r} is not one of {known} (GPU tables: "
                          "python -m palu_bench.cli.table)")
+    if cfg.table == "latent_outliers" and len(inputs) < 2:
+        raise ValueError("latent_outliers takes the model folder and at least one checkpoint")
+    if cfg.table in FIGURES and len(inputs) != 1:
+        raise ValueError(f"figure {cfg.table!r} takes exactly one input, got {len(inputs)}")
+    missing = [p for p in inputs if not Path(p).exists()]
+    if missing:
+        raise FileNotFoundError(f"table={cfg.table}: input(s) not found: {missing}")
+
+
+def run(cfg) -> None:
     inputs = list(cfg.inputs)
-    if cfg.table == "latent_outliers":   # inputs: the model folder, then checkpoints
-        if len(inputs) < 2:
-            raise ValueError("latent_outliers takes the model folder and at least one checkpoint")
-        latent_outliers_figure(inputs[0], inputs[1:], cfg.corpus, cfg.out)
-        log.info("figure -> %s", cfg.out)
-        return
-    if cfg.table == "cache_memory":
-        write_memory_table(inputs, cfg.out)
-        log.info("cache_memory: %d methods -> %s.{csv,md}", len(inputs), cfg.out)
-        return
-    if cfg.table in FIGURES:
-        if len(inputs) != 1:
-            raise ValueError(f"figure {cfg.table!r} takes exactly one input, got {len(inputs)}")
-        FIGURES[cfg.table](inputs[0], cfg.out)
-        log.info("figure -> %s", cfg.out)
-        return
-    frame = build_table(inputs, need_bytes=cfg.table in NEED_BYTES)
-    write_table(frame, cfg.out, TITLES[cfg.table])
-    with tracked_run(cfg.tracking, OmegaConf.to_container(cfg, resolve=True), job_type="collect",
-                     name=f"table/{cfg.table}", group="tables") as wb:
-        log_table(wb, cfg.table, frame)
-    log.info("%s: %d rows -> %s.{csv,md}", cfg.table, len(frame), cfg.out)
+    _check(cfg, inputs)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    with tracked(cfg, "collect", cfg.out, used=_used(cfg, inputs), config=config) as wb:
+        if cfg.table == "latent_outliers":
+            latent_outliers_figure(inputs[0], inputs[1:], cfg.corpus, cfg.out)
+        elif cfg.table in FIGURES:
+            FIGURES[cfg.table](inputs[0], cfg.out)
+        elif cfg.table == "cache_memory":
+            frame = write_memory_table(inputs, cfg.out)
+            _log_table(wb, cfg.table, frame, cfg.out)
+        else:
+            frame = build_table(inputs, need_bytes=cfg.table in NEED_BYTES)
+            write_table(frame, cfg.out, TITLES[cfg.table])
+            _log_table(wb, cfg.table, frame, cfg.out)
+        if str(cfg.out).endswith(".png"):
+            wb.image(f"figures/{cfg.table}", cfg.out)
+            wb.make("figure", cfg.out)
+    log.info("%s -> %s", cfg.table, cfg.out)
+
+
+def _log_table(wb, table: str, frame, prefix: str) -> None:
+    """The table as a W&B table, its native plots, and the CSV as an artifact."""
+    wb.table(f"tables/{table}", frame)
+    if wb.enabled:
+        from ..tracking.plots import native_plots
+        wb.log(native_plots(table, frame))
+    wb.make("table", f"{prefix}.csv")
 
 
 main = entry_point(run, config_name="collect", checked=False)

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
+from pathlib import Path
 
 import hydra
 import torch
 
 from ..config import CONF_DIR, to_dict, validate
 from ..pipeline import naming
+from ..tracking.wandb_run import check_tracking, tracked_step
 
 log = logging.getLogger("palu")
 
@@ -20,13 +23,43 @@ def entry_point(run, config_name: str = "config", checked: bool = True):
     it against the schema (`checked`) and calls `run`. Hydra names the job after `run`'s module."""
     @functools.wraps(run)
     def main(cfg) -> None:
-        run(validate(cfg) if checked else cfg)
+        cfg = validate(cfg) if checked else cfg
+        check_tracking(cfg.tracking)    # an unusable W&B setting fails before any work
+        run(cfg)
     return hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
 
 
 def model_path(cfg) -> str:
     """The prepared (fast-loading) copy of the model if the pipeline made one, else `model.id`."""
     return naming.model_source(cfg.paths.work, cfg.model.name, cfg.model.id)
+
+
+def model_input(cfg) -> dict:
+    """The prepared model folder as a tracked input, when the pipeline made one (a hub id or an
+    embedded package is recorded in the config only)."""
+    path = model_path(cfg)
+    return {"model": path} if Path(path).is_dir() else {}
+
+
+def run_name_of(cfg, out: str | os.PathLike) -> str:
+    """A step's W&B run name: its output's path inside the work or results folder, without the
+    extension (the same parameter tags as the file names); an output elsewhere: its file name."""
+    full = Path(out).resolve()
+    for root in (cfg.paths.results, cfg.paths.work):
+        try:
+            rel = full.relative_to(Path(root).resolve())
+        except ValueError:
+            continue
+        return rel.with_suffix("").as_posix() if rel.suffix in {".json", ".safetensors", ".png", ".csv"} \
+            else rel.as_posix()
+    return full.name
+
+
+def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, config: dict | None = None):
+    """The W&B run of one step making `out` from `used` (kind -> path or paths)."""
+    return tracked_step(cfg.tracking, config if config is not None else to_dict(cfg), job_type=step,
+                        name=run_name_of(cfg, out), group=cfg.model.name if "model" in cfg else "tables",
+                        used=used)
 
 
 def calibration_windows_of(cfg, tok, samples: int, seqlen: int, seed: int):

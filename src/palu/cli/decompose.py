@@ -12,7 +12,7 @@ from ..decompose.factors import decompose_model
 from ..io import read_json, sha256_file
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import entry_point, log, model_path
+from .common import entry_point, log, model_input, model_path, tracked
 
 
 def run(cfg) -> str:
@@ -21,13 +21,28 @@ def run(cfg) -> str:
     allocation = read_json(ranks)
     if allocation.get("group_size") != p.group_size or allocation.get("method") != p.rank_method:
         raise ValueError(f"rank file {ranks} does not match palu.group_size / rank_method")
-    grams = None
+    grams, used = None, {**model_input(cfg), "ranks": str(ranks)}
     if p.decomposition == "whitened":
         gpath = naming.gram_path_of(cfg)
         if not gpath.is_file():
             raise FileNotFoundError(f"whitened SVD needs the Gram matrices at {gpath}; "
                                     "run `python -m palu.cli.calibrate` first")
         grams = load_file(str(gpath))["gram"]
+        used["gram"] = str(gpath)
+    out = cfg.out or str(naming.checkpoint_dir_of(cfg))
+    with tracked(cfg, "decompose", out, used=used) as wb:
+        factors, manifest = _decompose(cfg, allocation, grams, ranks)
+        save_compressed(out, factors, manifest)
+        wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
+                    "decompose_seconds": manifest["settings"]["decompose_seconds"]})
+        wb.make("checkpoint", out, tag=manifest["tag"])
+    log.info("%s: kept %.4f -> %s", manifest["tag"], allocation["kept_ratio_realised"], out)
+    return out
+
+
+def _decompose(cfg, allocation, grams, ranks) -> tuple[dict, dict]:
+    """The factors and the checkpoint's manifest."""
+    p = cfg.palu
     model, _ = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     start = time.perf_counter()
     factors, report = decompose_model(model, allocation, grams, p.decomposition, cfg.progress,
@@ -43,10 +58,7 @@ def run(cfg) -> str:
     if grams is not None:
         settings["inputs"]["gram"] = sha256_file(naming.gram_path_of(cfg))
     manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings)
-    out = cfg.out or str(naming.checkpoint_dir_of(cfg))
-    save_compressed(out, factors, manifest)
-    log.info("%s: kept %.4f -> %s", manifest["tag"], allocation["kept_ratio_realised"], out)
-    return out
+    return factors, manifest
 
 
 main = entry_point(run)

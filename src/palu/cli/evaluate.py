@@ -1,7 +1,6 @@
 """Step `evaluate`: perplexity of a model through a KV-cache method (conf/method/) on one corpus."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from ..config import method_of
 from ..data.corpora import load_corpus
@@ -9,8 +8,7 @@ from ..eval.runner import check_seqlen, evaluate_corpus
 from ..io import write_json
 from ..models.loading import load_config, load_model, resolve_source
 from ..pipeline import naming
-from ..tracking.wandb_run import log_metrics, tracked_run
-from .common import entry_point, log, model_path, record
+from .common import entry_point, log, model_input, model_path, record, tracked
 
 
 def output_path(cfg, method) -> str:
@@ -46,11 +44,9 @@ def run(cfg) -> dict:
     method.install(model)
     summary = method.summary()
     check_matches_config(summary, cfg)
-    # the result path's parts: one W&B run per result file, resumed by a rerun
     run_name = naming.run_name(method.tag, method.lineage())
-    name = f"{cfg.model.name}/{run_name}/{Path(out).stem}"
-    with tracked_run(cfg.tracking, record(cfg)["config"], job_type="evaluate", name=name,
-                     group=cfg.model.name) as wb:
+    # one W&B run per result file (named by its path), replaced by a rerun
+    with tracked(cfg, "evaluate", out, used={**model_input(cfg), **method.inputs()}) as wb:
         metrics = evaluate_corpus(model, tok, cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens,
                                   path=cfg.data.path,
                                   calibration_fraction=cfg.data.calibration_fraction,
@@ -58,8 +54,9 @@ def run(cfg) -> dict:
         metrics.update(model=cfg.model.name, method=method.tag, dtype=cfg.model.dtype,
                        run=run_name,
                        calibration_fraction=cfg.data.calibration_fraction, **summary)
-        log_metrics(wb, metrics)
-    write_json(out, record(cfg, metrics=metrics, method=method.record()))
+        write_json(out, record(cfg, metrics=metrics, method=method.record()))
+        wb.metrics(metrics)
+        wb.make("metrics", out, method=method.tag, corpus=cfg.data.corpus)
     log.info("%s: ppl %.3f on %s (%d tokens) -> %s", method.tag, metrics["ppl"], cfg.data.corpus,
              metrics["tokens"], out)
     return metrics

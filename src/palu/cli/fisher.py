@@ -7,18 +7,21 @@ from ..calib.fisher import collect_fisher
 from ..io import atomic_path
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import calibration_windows_of, entry_point, log, model_path
+from .common import calibration_windows_of, entry_point, log, model_input, model_path, tracked
 
 
 def run(cfg) -> str:
     f = cfg.fisher
     out = cfg.out or str(naming.fisher_path_of(cfg))
-    model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
-    windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)
-    stats = collect_fisher(model, windows, progress=cfg.progress)
-    with atomic_path(out) as tmp:
-        save_file({"fisher": stats["fisher"].cpu()}, str(tmp),
-                  metadata={"windows": str(stats["windows"])})
+    with tracked(cfg, "fisher", out, used=model_input(cfg)) as wb:
+        model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
+        windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)
+        stats = collect_fisher(model, windows, progress=cfg.progress)
+        with atomic_path(out) as tmp:
+            save_file({"fisher": stats["fisher"].cpu()}, str(tmp),
+                      metadata={"windows": str(stats["windows"])})
+        wb.metrics({"windows": stats["windows"]})
+        wb.make("fisher", out, windows=stats["windows"], tag=naming.fisher_tag_of(cfg))
     log.info("Fisher over %d windows -> %s", stats["windows"], out)
     return out
 

@@ -6,12 +6,24 @@ from __future__ import annotations
 from ..methods.kvquant import KVQuantActivations, capture_activations, fit_from_activations
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import calibration_windows_of, entry_point, log, model_path
+from .common import calibration_windows_of, entry_point, log, model_input, model_path, tracked
 
 
 def run(cfg) -> str:
     k = cfg.kvquant
     out = cfg.out or str(naming.kvquant_dir_of(cfg))
+    used = {"kvquant_activations": str(k.activations)} if k.activations else model_input(cfg)
+    with tracked(cfg, "fit_kvquant", out, used=used) as wb:
+        state = _fit(cfg)
+        state.save(out)
+        wb.metrics({"tokens": state.info["tokens"], "bits": k.bits})
+        wb.make("kvquant_state", out, tag=state.tag)
+    log.info("KVQuant %s fitted on %d tokens -> %s", state.tag, state.info["tokens"], out)
+    return out
+
+
+def _fit(cfg):
+    k = cfg.kvquant
     if k.activations:
         captured = KVQuantActivations.load(k.activations)
         if captured.info.get("calibration_tag") != naming.kvquant_calibration_tag_of(cfg):
@@ -26,10 +38,7 @@ def run(cfg) -> str:
         captured = capture_activations(model, windows, fisher=k.weighting == "fisher",
                                        tokens_per_window=k.tokens_per_window, seed=k.seed,
                                        progress=cfg.progress, info=info)
-    state = fit_from_activations(captured, k.bits, k.weighting, k.outlier_fraction)
-    state.save(out)
-    log.info("KVQuant %s fitted on %d tokens -> %s", state.tag, state.info["tokens"], out)
-    return out
+    return fit_from_activations(captured, k.bits, k.weighting, k.outlier_fraction)
 
 
 main = entry_point(run)

@@ -14,7 +14,7 @@ from ..data.windows import bos_token_for, evaluation_windows, tokenize
 from ..io import write_json
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import entry_point, log, model_path, record
+from .common import entry_point, log, model_input, model_path, record, tracked
 
 
 def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
@@ -40,8 +40,12 @@ def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
 def run(cfg) -> dict:
     # by hand (no `out`): under the work folder, never over the pipeline's committed results
     out = cfg.out or str(naming.by_hand(cfg.paths.work) / "memory" / "generate.json")
-    payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
-    write_json(out, payload)
+    used = {**model_input(cfg), **method_of(cfg).inputs()}
+    with tracked(cfg, "generate", out, used=used) as wb:
+        payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
+        write_json(out, payload)
+        wb.metrics(payload["result"])
+        wb.make("memory", out, method=payload["result"]["method"])
     r = payload["result"]
     log.info("%s at %d tokens: %d bytes (%.2f bits per element); wrote %s",
              r["method"], r["context"], r["cache_bytes"], r["effective_bits"], out)

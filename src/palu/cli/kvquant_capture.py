@@ -6,19 +6,23 @@ from __future__ import annotations
 from ..methods.kvquant import capture_activations
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import calibration_windows_of, entry_point, log, model_path
+from .common import calibration_windows_of, entry_point, log, model_input, model_path, tracked
 
 
 def run(cfg) -> str:
     k = cfg.kvquant
     out = cfg.out or str(naming.kvquant_activations_path_of(cfg))
-    model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
-    windows = calibration_windows_of(cfg, tok, k.samples, k.seqlen, k.seed)
-    info = {"calibration_tag": naming.kvquant_calibration_tag_of(cfg), "model": cfg.model.name,
-            "corpus": cfg.calibration.corpus}
-    captured = capture_activations(model, windows, fisher=True, tokens_per_window=k.tokens_per_window,
-                                   seed=k.seed, progress=cfg.progress, info=info)
-    captured.save(out)
+    with tracked(cfg, "kvquant_capture", out, used=model_input(cfg)) as wb:
+        model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
+        windows = calibration_windows_of(cfg, tok, k.samples, k.seqlen, k.seed)
+        info = {"calibration_tag": naming.kvquant_calibration_tag_of(cfg), "model": cfg.model.name,
+                "corpus": cfg.calibration.corpus}
+        captured = capture_activations(model, windows, fisher=True,
+                                       tokens_per_window=k.tokens_per_window, seed=k.seed,
+                                       progress=cfg.progress, info=info)
+        captured.save(out)
+        wb.metrics({"tokens": captured.info["tokens"]})
+        wb.make("kvquant_activations", out, calibration_tag=info["calibration_tag"])
     log.info("KVQuant activations of %d tokens per layer -> %s", captured.info["tokens"], out)
     return out
 

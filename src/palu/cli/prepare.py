@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from ..models.loading import prepare_model, resolve_source
 from ..pipeline import naming
-from .common import entry_point, log
+from .common import entry_point, log, tracked
 
 
 def run(cfg) -> str:
     resolve_source(cfg.model.id)  # fail before any work if the weights are not there
     out = cfg.out or str(naming.prepared_model_dir(cfg.paths.work, cfg.model.name))
-    prepare_model(cfg.model.id, out)
+    with tracked(cfg, "prepare", out) as wb:
+        prepare_model(cfg.model.id, out)
+        wb.make("model", out, model_id=cfg.model.id)
     log.info("model %s ready at %s", cfg.model.name, out)
     return out
 

@@ -52,6 +52,11 @@ class CacheMethod:
         path (`naming.run_name`): a checkpoint's calibration settings, say. Default: nothing."""
         return ()
 
+    def inputs(self) -> dict[str, str]:
+        """The files the method's state is read from, by artifact kind (for lineage tracking).
+        Default: none."""
+        return {}
+
     def install(self, model) -> None:
         """Change `model` in place for this method (default: nothing)."""
 

@@ -150,6 +150,9 @@ class KVQuant(QuantizedKV):
         cal = self.loaded.info.get("calibration_tag")
         return (cal,) if cal else ()
 
+    def inputs(self) -> dict[str, str]:
+        return {} if isinstance(self.state, KVQuantState) else {"kvquant_state": str(self.state)}
+
     def codecs(self, geom, model):
         s = self.loaded
         if s.channel_offset.shape[:2] != (geom.num_layers, geom.num_kv_heads) or s.channel_offset.shape[2] != geom.head_dim:

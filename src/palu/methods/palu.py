@@ -55,6 +55,9 @@ class Palu(CacheMethod):
         from ..pipeline.naming import lineage_of   # naming imports this module
         return lineage_of(self.manifest)
 
+    def inputs(self) -> dict[str, str]:
+        return {"checkpoint": str(self.checkpoint)}
+
     def install(self, model) -> None:
         self._manifest = load_compressed(model, self.checkpoint)
 

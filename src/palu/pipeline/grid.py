@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 from omegaconf import OmegaConf
@@ -78,6 +79,12 @@ class Grid:
         return cls(yaml.safe_load(Path(path).read_text()))
 
     # ---- parameters --------------------------------------------------------------------------
+    @property
+    def tracking(self) -> SimpleNamespace:
+        """The grid's W&B setting (`tracking: offline | online | disabled`) and its folder."""
+        return SimpleNamespace(mode=self.c.get("tracking", "offline"), upload="small",
+                               dir=str(Path(self.work) / "wandb"))
+
     def model_conf(self):
         path = Path(CONF_DIR) / "model" / f"{self.model}.yaml"
         if not path.is_file():
@@ -104,7 +111,7 @@ class Grid:
 
     def common_overrides(self) -> list[str]:
         cal, fis = self.c["calibration"], self.c["fisher"]
-        return [f"model={self.model}", f"tracking={self.c.get('tracking', 'offline')}",
+        return [f"model={self.model}", f"tracking={self.tracking.mode}",
                 f"device={self.device}",
                 f"paths.work={self.work}", f"paths.results={self.results}",
                 f"calibration.corpus={cal['corpus']}", f"calibration.samples={cal['samples']}",

@@ -50,7 +50,8 @@ def to_markdown(frame: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_memory_table(paths: list[str], prefix: str | Path) -> None:
+def write_memory_table(paths: list[str], prefix: str | Path) -> pd.DataFrame:
     frame = memory_table(paths)
     write_text(f"{prefix}.csv", frame.to_csv(index=False))
     write_text(f"{prefix}.md", to_markdown(frame))
+    return frame
