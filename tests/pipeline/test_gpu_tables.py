@@ -106,3 +106,22 @@ def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
         dict(fused_int_keys=True, fused_maxnreg=128, splits=64)
     with pytest.raises(ValueError, match=r"tune variant \[32, 64\] is neither"):
         tune_params([32, 64])
+
+
+@pytest.mark.skipif(not LATENCY, reason="no committed latency results")
+def test_the_gpu_table_step_logs_its_table_figure_and_plots_to_wandb(tmp_path):
+    from omegaconf import OmegaConf
+
+    from palu.tracking import read_runs
+    from palu_bench.cli.table import run
+    cfg = OmegaConf.create({"table": "latency", "inputs": LATENCY, "out": str(tmp_path / "latency"),
+                            "figure": str(tmp_path / "latency_speedup.png"),
+                            "tracking": {"mode": "offline", "project": "palu-test", "entity": None,
+                                         "dir": str(tmp_path / "wandb"), "upload": "small"}})
+    run(cfg)
+    (wb,) = read_runs(tmp_path / "wandb")
+    assert (wb.job_type, wb.name, wb.group, wb.exit_code) == ("collect", "tables/latency", "gpu-benchmarks", 0)
+    assert wb.media["tables/latency"] == "table-file" and wb.media["figures/latency_speedup"] == "image-file"
+    assert any(k.startswith("latency/speedup_vs_context/") for k in wb.plots)
+    assert [u["kind"] for u in wb.used] == ["benchmark"] * len(LATENCY)
+    assert {a["type"] for a in wb.made} >= {"table", "figure"}
