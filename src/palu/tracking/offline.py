@@ -25,6 +25,7 @@ class OfflineRun:
     name: str
     group: str
     config: dict
+    start_time: str = ""
     summary: dict = field(default_factory=dict)
     made: list[dict] = field(default_factory=list)   # name, type, digest, aliases, metadata, files
     media: dict[str, str] = field(default_factory=dict)  # logged key -> W&B media type
@@ -60,7 +61,7 @@ def read_run(run_folder: str | Path) -> OfflineRun:
             r = rec["run"]
             config = {k: v for k, v in r.get("config", {}).get("update", {}).items() if k != "_wandb"}
             run = OfflineRun(r["run_id"], folder, r.get("job_type", ""), r.get("display_name", ""),
-                             r.get("run_group", ""), config)
+                             r.get("run_group", ""), config, r.get("start_time", ""))
         elif run is None:
             continue
         elif kind == "config":
@@ -96,12 +97,13 @@ def _is_media_field(key: str, media: dict) -> bool:
 
 
 def run_folders(wandb_dir: str | Path) -> list[Path]:
-    """The offline run folders under a `tracking.dir`, oldest first."""
+    """The offline run folders under a `tracking.dir`."""
     return sorted((Path(wandb_dir) / "wandb").glob("offline-run-*"))
 
 
 def read_runs(wandb_dir: str | Path) -> list[OfflineRun]:
-    return [read_run(f) for f in run_folders(wandb_dir)]
+    """Every offline run, oldest first (by start time: folder names only resolve seconds)."""
+    return sorted((read_run(f) for f in run_folders(wandb_dir)), key=lambda r: r.start_time)
 
 
 def producer_of(name: str, runs: list[OfflineRun], fingerprint: str | None = None):

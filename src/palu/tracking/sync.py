@@ -2,7 +2,7 @@
 
 W&B cannot record an input artifact offline (`use_artifact` needs the server), so an offline run
 keeps its inputs in its config (`lineage.used`). `sync` uploads every run folder with `wandb sync`
-(producers first: folders are oldest first, and a step runs after the steps it reads from), then
+(producers first: runs in order of start time, and a step starts after the steps it reads from), then
 resumes each run that used something and calls `use_artifact` on the exact version it read (the
 `fp-<fingerprint>` alias its producer gave it).
 """
