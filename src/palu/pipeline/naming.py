@@ -204,6 +204,24 @@ def memory_path(results: str, model: str, run: str, context: int | str, corpus: 
     return Path(results) / "memory" / model / run / f"generate-{corpus}-ctx{context}.json"
 
 
+def zeroshot_tag(source: str, limit: int | str | None, dtype: str) -> str:
+    """Every setting that changes a zero-shot accuracy: the task source, samples per task, dtype
+    (the task list is the table's, fixed per grid)."""
+    return f"zeroshot-{source}-n{tokens_tag(limit)}-{dtype}"
+
+
+def zeroshot_path(results: str, model: str, run: str, source: str, limit: int | str | None,
+                  dtype: str) -> Path:
+    """results/zeroshot/<model>/<run>/<zeroshot tag>.json (step zeroshot)."""
+    return Path(results) / "zeroshot" / model / run / f"{zeroshot_tag(source, limit, dtype)}.json"
+
+
+def zeroshot_path_of(cfg, method) -> Path:
+    z = cfg.zeroshot
+    return zeroshot_path(str(by_hand(cfg.paths.work)), cfg.model.name,
+                         run_name(method.tag, method.lineage()), z.source, z.limit, cfg.model.dtype)
+
+
 def log_path(work: str, step: str, name: str) -> Path:
     """A rule's log file (Snakemake `log:`)."""
     return Path(work) / "logs" / step / f"{name}.log"

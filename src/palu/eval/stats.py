@@ -1,0 +1,54 @@
+"""Uncertainty of accuracies: a 95% interval for one method, and for its paired difference to a
+reference on the same samples. A difference whose interval contains zero is not a win."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+Z95 = 1.959963984540054
+
+
+def wilson_interval(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (well-behaved near 0 and 1)."""
+    if n <= 0:
+        raise ValueError(f"an interval needs at least one sample, got n={n}")
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference(a, b, iters: int = 10_000, seed: int = 0) -> dict:
+    """Mean of a - b over paired samples with a 95% percentile-bootstrap interval (samples drawn
+    with replacement as pairs, so what both methods get right or wrong together cancels)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape or a.ndim != 1 or len(a) == 0:
+        raise ValueError(f"paired samples must be two equal, non-empty vectors; got {a.shape} and {b.shape}")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(iters, len(d)))].mean(axis=1)
+    lo, hi = np.quantile(means, [0.025, 0.975])
+    return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "n": int(len(d)),
+            "significant": bool(lo > 0 or hi < 0)}
+
+
+def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) -> dict:
+    """The mean over strata (tasks) of each stratum's mean, with a 95% bootstrap interval that
+    resamples within every stratum; with `reference` (the same strata, paired sample by sample)
+    the statistic is the difference of the two such means. Stratum sizes may differ."""
+    strata = [np.asarray(s, dtype=float) for s in strata]
+    if reference is not None:
+        reference = [np.asarray(r, dtype=float) for r in reference]
+        if [r.shape for r in reference] != [s.shape for s in strata]:
+            raise ValueError("paired strata must have the same sizes")
+        strata = [s - r for s, r in zip(strata, reference)]
+    if not strata or any(len(s) == 0 for s in strata):
+        raise ValueError("every stratum needs at least one sample")
+    rng = np.random.default_rng(seed)
+    boot = np.mean([s[rng.integers(0, len(s), size=(iters, len(s)))].mean(axis=1) for s in strata],
+                   axis=0)
+    lo, hi = np.quantile(boot, [0.025, 0.975])
+    value = float(np.mean([s.mean() for s in strata]))
+    return {"value": value, "lo": float(lo), "hi": float(hi),
+            "significant": bool(lo > 0 or hi < 0)}
