@@ -12,6 +12,7 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/collect.smk"
 include: "workflow/rules/quantization.smk"
 include: "workflow/rules/zeroshot.smk"
+include: "workflow/rules/longcontext.smk"
 include: "workflow/rules/latency.smk"
 
 
@@ -22,4 +23,5 @@ rule all:
         str(naming.table_prefix(R, "cache_memory")) + ".md",
         QUANT_FIGURES,
         ZEROSHOT_TARGETS,
+        LONGCONTEXT_TARGETS,
         LATENCY_TARGETS,

@@ -95,6 +95,18 @@ class ZeroshotConfig:
 
 
 @dataclass
+class LongContextConfig:
+    # RULER-style needle retrieval over real filler text (palu.eval.longcontext.KINDS)
+    kinds: List[str] = field(default_factory=lambda: ["single"])
+    lengths: List[int] = field(default_factory=lambda: [1024, 2048])
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    per_cell: int = 1                   # samples per kind x length x depth
+    corpus: str = "novels_standin"      # the filler text (its evaluation part)
+    max_new_tokens: int = 24
+    seed: int = 0
+
+
+@dataclass
 class GenerateConfig:
     context: int = 4096                 # prefill length whose cache memory is measured
     prompt: str = "The history of the university began in"
@@ -126,6 +138,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     kvquant: KVQuantConfig = field(default_factory=KVQuantConfig)
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
+    longcontext: LongContextConfig = field(default_factory=LongContextConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     # the KV-cache method (conf/method/<name>.yaml; fields checked by palu.methods)
@@ -149,7 +162,7 @@ _CHOICES = {
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
              "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
-             "kvquant.tokens_per_window")
+             "kvquant.tokens_per_window", "longcontext.per_cell", "longcontext.max_new_tokens")
 
 
 def validate(cfg: DictConfig | dict) -> DictConfig:
@@ -198,6 +211,14 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         check_request(list(z.tasks), z.limit, z.source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from .eval.longcontext import KINDS
+    lc = merged.longcontext
+    if not lc.kinds or any(k not in KINDS for k in lc.kinds):
+        raise ConfigError(f"longcontext.kinds={list(lc.kinds)} must be from {list(KINDS)}")
+    if not lc.lengths or any(n <= 0 for n in lc.lengths):
+        raise ConfigError(f"longcontext.lengths={list(lc.lengths)} must be positive token counts")
+    if not lc.depths or any(not 0.0 <= d <= 1.0 for d in lc.depths):
+        raise ConfigError(f"longcontext.depths={list(lc.depths)} must lie in [0, 1]")
     method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged

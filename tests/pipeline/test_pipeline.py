@@ -66,6 +66,10 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     assert (zs["piqa_n"] == 2).all() and (zs["winogrande_n"] == 2).all()
     assert zs["diff_lo"].le(zs["diff_vs_fp16"]).all() and zs["diff_vs_fp16"].le(zs["diff_hi"]).all()
     assert "Δ vs FP16" in (results / "tables" / "zeroshot.md").read_text()
+    # needle retrieval generated through each cache, and its heatmap
+    lc = pd.read_csv(results / "tables" / "longcontext.csv")
+    assert set(lc["method"]) == set(zs["method"]) and (lc["n"] == 2).all()
+    assert (results / "figures" / "needle_heatmap.png").stat().st_size > 10_000
     _check_wandb_runs(TEST_WORK / "wandb", results)
 
     # A rerun after success does nothing.
@@ -82,7 +86,7 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
 
 STEPS = {"calibrate": "gram", "fisher": "fisher", "ranks": "ranks", "decompose": "checkpoint",
          "kvquant_capture": "kvquant_activations", "fit_kvquant": "kvquant_state", "evaluate": "metrics",
-         "generate": "memory", "zeroshot": "zeroshot", "collect": None}
+         "generate": "memory", "zeroshot": "zeroshot", "longcontext": "longcontext", "collect": None}
 
 
 def _check_wandb_runs(wandb_dir, results):

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from ..reporting.figures import latent_outliers_figure, ppl_vs_bytes_figure, rank_allocation_from_file
 from ..reporting.memory_table import write_memory_table
 from ..reporting.tables import build_table, write_table
+from ..reporting.longcontext_table import needle_heatmap, write_longcontext_table
 from ..reporting.zeroshot_table import write_zeroshot_table
 from .common import entry_point, log, tracked
 
@@ -27,8 +28,10 @@ FIGURES = {"rank_allocation": rank_allocation_from_file, "ppl_vs_bytes": ppl_vs_
 
 # what each output's inputs are, as tracked artifact kinds (default: metrics JSON)
 INPUT_KINDS = {"rank_allocation": "ranks", "ppl_vs_bytes": "table", "cache_memory": "memory",
-               "zeroshot": "zeroshot"}
-WRITERS = {"cache_memory": write_memory_table, "zeroshot": write_zeroshot_table}  # own formats
+               "zeroshot": "zeroshot", "longcontext": "longcontext", "needle_heatmap": "longcontext"}
+WRITERS = {"cache_memory": write_memory_table, "zeroshot": write_zeroshot_table,   # own formats
+           "longcontext": write_longcontext_table}
+MULTI_FIGURES = {"needle_heatmap": needle_heatmap}    # figures of several result files
 
 
 def _used(cfg, inputs: list[str]) -> dict:
@@ -38,7 +41,7 @@ def _used(cfg, inputs: list[str]) -> dict:
 
 
 def _check(cfg, inputs: list[str]) -> None:
-    known = sorted(TITLES) + sorted(FIGURES) + ["latent_outliers"] + sorted(WRITERS)
+    known = sorted(TITLES) + sorted(FIGURES) + ["latent_outliers"] + sorted(WRITERS) + sorted(MULTI_FIGURES)
     if cfg.table not in known:
         raise ValueError(f"table={cfg.table!r} is not one of {known} (GPU tables: "
                          "python -m palu_bench.cli.table)")
@@ -60,6 +63,8 @@ def run(cfg) -> None:
             latent_outliers_figure(inputs[0], inputs[1:], cfg.corpus, cfg.out)
         elif cfg.table in FIGURES:
             FIGURES[cfg.table](inputs[0], cfg.out)
+        elif cfg.table in MULTI_FIGURES:
+            MULTI_FIGURES[cfg.table](inputs, cfg.out)
         elif cfg.table in WRITERS:
             frame = WRITERS[cfg.table](inputs, cfg.out)
             _log_table(wb, cfg.table, frame, cfg.out)

@@ -29,8 +29,23 @@ def paired_difference(a, b, iters: int = 10_000, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     means = d[rng.integers(0, len(d), size=(iters, len(d)))].mean(axis=1)
     lo, hi = np.quantile(means, [0.025, 0.975])
+    p = sign_test(d)
+    # the bootstrap interval alone is overconfident on a handful of pairs (two discordant pairs
+    # give a zero-width interval): a change also needs the exact sign test (McNemar for 0/1)
     return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "n": int(len(d)),
-            "significant": bool(lo > 0 or hi < 0)}
+            "p_sign": p, "significant": bool((lo > 0 or hi < 0) and p < 0.05)}
+
+
+def sign_test(differences) -> float:
+    """Two-sided exact sign test on the non-zero paired differences (McNemar's exact test when
+    the scores are 0/1): the probability of a split at least this uneven under no change."""
+    d = np.asarray(differences, dtype=float)
+    pos, m = int((d > 0).sum()), int((d != 0).sum())
+    if m == 0:
+        return 1.0
+    k = min(pos, m - pos)
+    tail = sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m
+    return min(1.0, 2 * tail)
 
 
 def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) -> dict:
@@ -50,5 +65,8 @@ def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) 
                    axis=0)
     lo, hi = np.quantile(boot, [0.025, 0.975])
     value = float(np.mean([s.mean() for s in strata]))
-    return {"value": value, "lo": float(lo), "hi": float(hi),
-            "significant": bool(lo > 0 or hi < 0)}
+    out = {"value": value, "lo": float(lo), "hi": float(hi), "significant": bool(lo > 0 or hi < 0)}
+    if reference is not None:          # as in paired_difference: the exact sign test as well
+        out["p_sign"] = sign_test(np.concatenate(strata))
+        out["significant"] = out["significant"] and out["p_sign"] < 0.05
+    return out

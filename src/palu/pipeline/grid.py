@@ -21,7 +21,7 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization", "zeroshot"}
+         "memory", "quantization", "zeroshot", "longcontext"}
 TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization")
 
 
@@ -160,9 +160,12 @@ class Grid:
                 for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
 
     def zeroshot_specs(self) -> list[PaluSpec]:
-        """Palu rows of the zero-shot table: each entry a kept ratio, group size and latent bits
-        (uniform ranks, whitened SVD unless given)."""
-        z = self.c.get("zeroshot") or {}
+        return self._suite_specs("zeroshot")
+
+    def _suite_specs(self, key: str) -> list[PaluSpec]:
+        """Palu rows of an evaluation suite (zeroshot, longcontext): each entry a kept ratio, group
+        size and latent bits (uniform ranks, whitened SVD unless given)."""
+        z = self.c.get(key) or {}
         return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
                          float(p["kept_ratio"]),
                          self.kv_heads() if p["group_size"] == "kv_heads" else int(p["group_size"]),
@@ -170,17 +173,45 @@ class Grid:
                 for p in z.get("palu", [])]
 
     def zeroshot_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
-        """The zero-shot table's runs: FP16 (the reference of every paired difference), its Palu
-        entries, its baselines, and KVQuant at `zeroshot.kvquant_bits` (fitted for the
-        quantization table)."""
-        z = self.c.get("zeroshot")
+        return self._suite_runs("zeroshot")
+
+    def _suite_runs(self, key: str) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        """FP16 (the reference of every paired difference), the entry's Palu runs, its baselines
+        and KVQuant at `<key>.kvquant_bits` (fitted for the quantization table)."""
+        z = self.c.get(key)
         if not z:
             return {}
-        out: dict = {"fp16": None, **{self.run_name(s): s for s in self.zeroshot_specs()}}
+        out: dict = {"fp16": None, **{self.run_name(s): s for s in self._suite_specs(key)}}
         out.update(self._configured_methods(z.get("baselines")))
         kv = [s for s in self.kvquant_specs() if s.bits == z.get("kvquant_bits")]
         out.update({self.run_name(s): s for s in kv[:1]})
         return out
+
+    def longcontext_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        return self._suite_runs("longcontext")
+
+    def longcontext_settings(self) -> dict:
+        c = self.c["longcontext"]
+        return {"kinds": list(c.get("kinds", ["single"])), "lengths": [int(x) for x in c["lengths"]],
+                "depths": [float(d) for d in c["depths"]], "per_cell": int(c.get("per_cell", 1)),
+                "corpus": c.get("corpus", "novels_standin"), "seed": int(c.get("seed", 0))}
+
+    def longcontext_pattern(self) -> str:
+        s = self.longcontext_settings()
+        tag = naming.longcontext_tag(s["kinds"], s["lengths"], s["depths"], s["per_cell"], s["corpus"],
+                                     s["seed"], self.dtype)
+        return str(naming.longcontext_path(self.results, self.model, "{run}", tag))
+
+    def longcontext_files(self) -> list[str]:
+        return [self.longcontext_pattern().replace("{run}", run) for run in self.longcontext_runs()]
+
+    def longcontext_overrides(self) -> str:
+        s = self.longcontext_settings()
+        return (f"'longcontext.kinds=[{','.join(s['kinds'])}]' "
+                f"'longcontext.lengths=[{','.join(map(str, s['lengths']))}]' "
+                f"'longcontext.depths=[{','.join(f'{d:g}' for d in s['depths'])}]' "
+                f"longcontext.per_cell={s['per_cell']} longcontext.corpus={s['corpus']} "
+                f"longcontext.seed={s['seed']}")
 
     def zeroshot_settings(self) -> dict:
         z = self.c["zeroshot"]
@@ -326,6 +357,7 @@ class Grid:
         if self.c.get("memory"):
             out.update(self.memory_runs())
         out.update(self.zeroshot_runs())
+        out.update(self.longcontext_runs())
         for table in self.tables():
             out.update({self.run_name(s): s for s in self.specs(table)})
         return out

@@ -222,6 +222,28 @@ def zeroshot_path_of(cfg, method) -> Path:
                          run_name(method.tag, method.lineage()), z.source, z.limit, cfg.model.dtype)
 
 
+def longcontext_tag(kinds, lengths, depths, per_cell: int, corpus: str, seed: int, dtype: str) -> str:
+    """Every setting that changes a needle score (the grid of kinds x lengths x depths)."""
+    return (f"needles-{'+'.join(kinds)}-L{'+'.join(str(int(x)) for x in lengths)}"
+            f"-d{'+'.join(f'{float(d):g}' for d in depths)}-n{per_cell}-{corpus}-s{seed}-{dtype}")
+
+
+def longcontext_path(results: str, model: str, run: str, tag: str) -> Path:
+    """results/longcontext/<model>/<run>/<longcontext tag>.json (step longcontext)."""
+    return Path(results) / "longcontext" / model / run / f"{tag}.json"
+
+
+def longcontext_tag_of(cfg) -> str:
+    c = cfg.longcontext
+    return longcontext_tag(list(c.kinds), list(c.lengths), list(c.depths), c.per_cell, c.corpus, c.seed,
+                           cfg.model.dtype)
+
+
+def longcontext_path_of(cfg, method) -> Path:
+    return longcontext_path(str(by_hand(cfg.paths.work)), cfg.model.name,
+                            run_name(method.tag, method.lineage()), longcontext_tag_of(cfg))
+
+
 def log_path(work: str, step: str, name: str) -> Path:
     """A rule's log file (Snakemake `log:`)."""
     return Path(work) / "logs" / step / f"{name}.log"

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..io import read_json, write_text
+from ..io import read_json
+from . import write_frame
 
 COLUMNS = ["method", "context", "dtype", "cache_bytes", "cache_bytes_fp16", "effective_bits",
            "ratio_vs_fp16", "cache_data_bytes", "cache_metadata_bytes", "cache_full_precision_bytes",
@@ -52,6 +53,4 @@ def to_markdown(frame: pd.DataFrame) -> str:
 
 def write_memory_table(paths: list[str], prefix: str | Path) -> pd.DataFrame:
     frame = memory_table(paths)
-    write_text(f"{prefix}.csv", frame.to_csv(index=False))
-    write_text(f"{prefix}.md", to_markdown(frame))
-    return frame
+    return write_frame(frame, prefix, to_markdown(frame))

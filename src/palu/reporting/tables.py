@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..io import read_json, write_text
+from ..io import read_json
+from . import write_frame
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
@@ -89,5 +90,4 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
 
 
 def write_table(frame: pd.DataFrame, prefix: str | Path, title: str) -> None:
-    write_text(f"{prefix}.csv", frame.to_csv(index=False))
-    write_text(f"{prefix}.md", to_markdown(frame, title))
+    write_frame(frame, prefix, to_markdown(frame, title))

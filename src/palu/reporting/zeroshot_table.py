@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 
 from ..eval.stats import paired_difference, stratified_mean
-from ..io import read_json, write_text
+from ..io import read_json
+from . import write_frame
 
 LABELS = {"piqa": "PIQA", "arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag",
           "winogrande": "WinoGrande", "openbookqa": "OBQA"}
@@ -76,8 +77,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def _diff(value: float, lo: float, hi: float) -> str:
-    mark = "" if lo > 0 or hi < 0 else " ~"
+def _diff(value: float, lo: float, hi: float, significant: bool) -> str:
+    mark = "" if significant else " ~"
     return f"{100 * value:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]{mark}"
 
 
@@ -92,7 +93,8 @@ def to_markdown(frame: pd.DataFrame) -> str:
              "the same documents for every method. Accuracy (%) = lm-eval `acc`, with its 95% Wilson "
              "interval; Avg = mean over tasks with a 95% bootstrap interval (resampled within tasks); "
              "Δ vs FP16 = paired difference on the same samples, 95% paired bootstrap interval. "
-             "\"~\": the interval contains 0 (no evidence of a change).", ""]
+             "\"~\": the interval contains 0 or the exact sign test on the changed answers is not below "
+             "0.05 (no evidence of a change).", ""]
     head = ["method", "LRD", "bits", *[LABELS[t] for t in tasks], "Avg", "Δ vs FP16 (Avg)"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for _, r in frame.iterrows():
@@ -100,13 +102,11 @@ def to_markdown(frame: pd.DataFrame) -> str:
         cells += [f"{_pct(r[t])} [{_pct(r[t + '_lo'])}, {_pct(r[t + '_hi'])}]" for t in tasks]
         cells.append(f"{_pct(r['average'])} [{_pct(r['average_lo'])}, {_pct(r['average_hi'])}]")
         cells.append("—" if r["method"] == "fp16" or "diff_vs_fp16" not in r
-                     else _diff(r["diff_vs_fp16"], r["diff_lo"], r["diff_hi"]))
+                     else _diff(r["diff_vs_fp16"], r["diff_lo"], r["diff_hi"], r["significant"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_zeroshot_table(paths: list[str], prefix: str | Path) -> pd.DataFrame:
     frame = zeroshot_frame(paths)
-    write_text(f"{prefix}.csv", frame.to_csv(index=False))
-    write_text(f"{prefix}.md", to_markdown(frame))
-    return frame
+    return write_frame(frame, prefix, to_markdown(frame))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The kinds of things the pipeline makes, in DAG order (an artifact's W&B type).
 KINDS = ("model", "gram", "fisher", "ranks", "checkpoint", "kvquant_activations", "kvquant_state",
-         "metrics", "memory", "zeroshot", "table", "figure", "benchmark")
+         "metrics", "memory", "zeroshot", "longcontext", "table", "figure", "benchmark")
 UPLOADS = ("none", "small", "all")
 SMALL_BYTES = 1 << 20
 _MAX_NAME = 120                    # W&B allows 128 characters

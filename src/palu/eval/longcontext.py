@@ -1,0 +1,147 @@
+"""Decode-time long-context evaluation: RULER-style retrieval over real filler text.
+
+A sample hides one or more "needles" (a key and a number) at a relative depth of a prompt of
+`length` tokens made of real text (the novels stand-in), then asks for the number(s). The prompt
+is prefilled into the method's cache and the answer generated through it (`model.generate` with
+`past_key_values=method.make_cache(model)`): the answer can only come from what the cache
+stores, never from K/V recomputed at full precision. Prompts use the model's chat template
+where it has one. An answer is parsed as the digit strings in the generated text; a sample
+scores the fraction of its expected numbers that appear among them.
+
+Kinds (as in RULER's NIAH family): `passkey` (one pass key), `single` (one key-value needle),
+`multikey` (four needles, one asked), `multivalue` (one key with three values, all asked).
+"""
+from __future__ import annotations
+
+import math
+import random
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .stats import wilson_interval
+
+KINDS = ("passkey", "single", "multikey", "multivalue")
+_WORDS = ("amber", "falcon", "harbor", "lantern", "meadow", "quartz", "saffron", "tundra", "violet",
+          "willow", "copper", "ember", "glacier", "juniper", "marble", "orchid")
+
+
+@dataclass
+class Sample:
+    kind: str
+    length: int            # target prompt length in tokens (the filler is cut to fit)
+    depth: float           # relative position of the (first) needle in the filler, 0..1
+    question: str
+    needles: list[str]
+    answers: list[str]     # the numbers the answer must contain
+    context: str = ""
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _needles(kind: str, rng: random.Random):
+    if kind == "passkey":
+        key = str(rng.randint(10_000, 99_999))
+        return [f"The pass key is {key}. Remember it. {key} is the pass key."], [key], \
+            "What is the pass key? The pass key is"
+    words = rng.sample(_WORDS, 4)
+    if kind == "single":
+        value = _number(rng)
+        return [f"One of the special magic numbers for {words[0]} is: {value}."], [value], \
+            f"What is the special magic number for {words[0]} mentioned in the text?"
+    if kind == "multikey":
+        values = [_number(rng) for _ in words]
+        needles = [f"One of the special magic numbers for {w} is: {v}." for w, v in zip(words, values)]
+        return needles, [values[0]], f"What is the special magic number for {words[0]} mentioned in the text?"
+    if kind == "multivalue":
+        values = [_number(rng) for _ in range(3)]
+        needles = [f"One of the special magic numbers for {words[0]} is: {v}." for v in values]
+        return needles, values, f"What are all the special magic numbers for {words[0]} mentioned in the text?"
+    raise ValueError(f"needle kind {kind!r} is not one of {list(KINDS)}")
+
+
+def build_prompt(tokenizer, context: str, question: str) -> list[int]:
+    """The token ids of the prompt: the model's chat template when it has one."""
+    text = (f"Some special magic numbers are hidden in the following text. Memorise them.\n\n"
+            f"{context}\n\n{question}")
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(text)["input_ids"]
+
+
+def make_samples(tokenizer, filler: str, kinds, lengths, depths, per_cell: int = 1,
+                 seed: int = 0, max_positions: int | None = None) -> list[Sample]:
+    """Samples for every kind x length x depth, each prompt cut to `length` tokens of text."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"longcontext kinds {bad} unknown; known: {list(KINDS)}")
+    if max_positions is not None and max(lengths) > max_positions:
+        raise ValueError(f"longcontext length {max(lengths)} exceeds the model's maximum context "
+                         f"({max_positions} positions)")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"longcontext depths must lie in [0, 1], got {list(depths)}")
+    filler_ids = tokenizer(filler)["input_ids"]
+    rng, out = random.Random(seed), []
+    for kind in kinds:
+        for length in lengths:
+            for depth in depths:
+                for _ in range(per_cell):
+                    needles, answers, question = _needles(kind, rng)
+                    # the room the filler may take: the prompt without filler, then cut to fit
+                    overhead = len(build_prompt(tokenizer, " ".join(needles), question))
+                    room = length - overhead
+                    if room <= 0 or room > len(filler_ids):
+                        raise ValueError(f"longcontext length {length} cannot hold the question "
+                                         f"({overhead} tokens) or exceeds the filler ({len(filler_ids)})")
+                    start = rng.randint(0, len(filler_ids) - room)
+                    text = tokenizer.decode(filler_ids[start:start + room])
+                    sentences = re.split(r"(?<=[.!?]) ", text)
+                    # the asked needle at `depth`; the others (multikey, multivalue) anywhere
+                    positions = [round(depth * len(sentences))] + [
+                        rng.randint(0, len(sentences)) for _ in needles[1:]]
+                    for pos, needle in sorted(zip(positions, needles), key=lambda p: -p[0]):
+                        sentences.insert(pos, needle)
+                    out.append(Sample(kind, length, depth, question, needles, answers, " ".join(sentences)))
+    return out
+
+
+def score(text: str, answers: list[str]) -> float:
+    """The fraction of expected numbers among the digit strings of the generated text."""
+    found = set(re.findall(r"\d+", text))
+    return sum(a in found for a in answers) / len(answers)
+
+
+@torch.no_grad()
+def answer(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int = 24) -> str:
+    """Greedy answer generated through the method's cache (None: the plain model)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    kwargs = {} if method is None else {"past_key_values": method.make_cache(model)}
+    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=
+                         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                         **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def evaluate_needles(model, tokenizer, method, samples: list[Sample], max_new_tokens: int = 24,
+                     log=None) -> dict:
+    rows = []
+    for i, s in enumerate(samples):
+        ids = build_prompt(tokenizer, s.context, s.question)
+        text = answer(model, tokenizer, method, ids, max_new_tokens)
+        rows.append({**{k: v for k, v in asdict(s).items() if k != "context"},
+                     "prompt_tokens": len(ids), "answer": text, "score": score(text, s.answers)})
+        if log is not None:
+            log(f"{i + 1}/{len(samples)} {s.kind} L={s.length} depth={s.depth:.2f}: "
+                f"score {rows[-1]['score']:.2f} ({text.strip()[:40]!r})")
+    n = len(rows)
+    mean = sum(r["score"] for r in rows) / n
+    lo, hi = wilson_interval(int(round(sum(r["score"] for r in rows))), n)
+    if not math.isfinite(mean):
+        raise FloatingPointError("non-finite needle score")
+    return {"samples": rows, "n": n, "accuracy": mean, "accuracy_lo": lo, "accuracy_hi": hi}
