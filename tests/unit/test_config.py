@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from palu.config import CONF_DIR
 from palu.config import ConfigError, validate
 
-GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "kvquant", "zeroshot", "tracking",
-          "paths"]
+GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "kvquant", "zeroshot",
+          "longcontext", "tracking", "paths"]
 
 
 def _compose(overrides=()):
