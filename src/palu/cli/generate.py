@@ -17,8 +17,7 @@ from ..pipeline import naming
 from .common import entry_point, log, model_input, model_path, record, tracked
 
 
-def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
-    method = method_of(cfg)
+def measure(cfg, method, context: int, prompt: str, new_tokens: int) -> dict:
     model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     method.install(model)
     text = tokenize(tok, load_corpus(cfg.data.corpus, path=cfg.data.path).evaluation_text)
@@ -40,9 +39,9 @@ def measure(cfg, context: int, prompt: str, new_tokens: int) -> dict:
 def run(cfg) -> dict:
     # by hand (no `out`): under the work folder, never over the pipeline's committed results
     out = cfg.out or str(naming.by_hand(cfg.paths.work) / "memory" / "generate.json")
-    used = {**model_input(cfg), **method_of(cfg).inputs()}
-    with tracked(cfg, "generate", out, used=used) as wb:
-        payload = measure(cfg, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
+    method = method_of(cfg)
+    with tracked(cfg, "generate", out, used={**model_input(cfg), **method.inputs()}) as wb:
+        payload = measure(cfg, method, cfg.generate.context, cfg.generate.prompt, cfg.generate.new_tokens)
         write_json(out, payload)
         wb.metrics(payload["result"])
         wb.make("memory", out, method=payload["result"]["method"])

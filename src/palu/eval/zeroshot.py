@@ -57,15 +57,6 @@ def method_lm(model, tokenizer, method=None):
     return MethodLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device=device)
 
 
-def _prediction(sample: dict, normalised: bool) -> int:
-    lls = [float(r[0]) for r in sample["filtered_resps"]]
-    if normalised:   # lm-eval's acc_norm: log-likelihood per byte of the choice
-        choices = sample["arguments"]
-        lens = [len(str(c[1]).encode()) for c in choices]
-        lls = [ll / n for ll, n in zip(lls, lens)]
-    return int(max(range(len(lls)), key=lls.__getitem__))
-
-
 def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | None = None,
                       source: str = "embedded", seed: int = 0) -> dict:
     """acc / acc_norm per task with 95% Wilson intervals and every sample's outcome."""
@@ -89,7 +80,7 @@ def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | N
                 raise FloatingPointError(f"{task} doc {s['doc_id']}: non-finite log-likelihood "
                                          "(the model or its cache produced NaN/inf)")
             rows.append({"doc_id": int(s["doc_id"]), "target": str(s["target"]),
-                         "pred": _prediction(s, False), "acc": float(s["acc"]),
+                         "pred": max(range(len(lls)), key=lls.__getitem__), "acc": float(s["acc"]),
                          "acc_norm": float(s.get("acc_norm", s["acc"]))})
         n = len(rows)
         entry = {"n": n}

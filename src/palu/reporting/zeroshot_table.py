@@ -44,7 +44,7 @@ def zeroshot_frame(paths: list[str]) -> pd.DataFrame:
     runs = _load(paths)
     tasks = list(runs[0]["zeroshot"]["tasks"])
     ref = next((r for r in runs if r["summary"]["method"] == "fp16"), None)
-    vectors = lambda r, metric="acc": [[s[metric] for s in r["zeroshot"]["tasks"][t]["samples"]] for t in tasks]
+    acc = {id(r): [[s["acc"] for s in r["zeroshot"]["tasks"][t]["samples"]] for t in tasks] for r in runs}
     rows = []
     for r in runs:
         z, summary = r["zeroshot"], r["summary"]
@@ -58,13 +58,14 @@ def zeroshot_frame(paths: list[str]) -> pd.DataFrame:
             row.update({f"{t}_n": e["n"], f"{t}": e["acc"], f"{t}_lo": e["acc_lo"], f"{t}_hi": e["acc_hi"],
                         f"{t}_acc_norm": e["acc_norm"]})
             if ref is not None:
-                d = paired_difference(vectors(r)[tasks.index(t)], vectors(ref)[tasks.index(t)])
+                i = tasks.index(t)
+                d = paired_difference(acc[id(r)][i], acc[id(ref)][i])
                 row.update({f"{t}_diff": d["diff"], f"{t}_diff_lo": d["lo"], f"{t}_diff_hi": d["hi"]})
-        avg = stratified_mean(vectors(r))
+        avg = stratified_mean(acc[id(r)])
         row.update({"average": avg["value"], "average_lo": avg["lo"], "average_hi": avg["hi"],
                     "samples": sum(z["tasks"][t]["n"] for t in tasks)})
         if ref is not None:
-            d = stratified_mean(vectors(r), reference=vectors(ref))
+            d = stratified_mean(acc[id(r)], reference=acc[id(ref)])
             row.update({"diff_vs_fp16": d["value"], "diff_lo": d["lo"], "diff_hi": d["hi"],
                         "significant": d["significant"] and r is not ref})
         rows.append(row)
