@@ -95,7 +95,7 @@ class ZeroshotConfig:
 
 
 @dataclass
-class LongContextConfig:
+class NeedlesConfig:
     # RULER-style needle retrieval over real filler text (palu.eval.longcontext.KINDS)
     kinds: List[str] = field(default_factory=lambda: ["single"])
     lengths: List[int] = field(default_factory=lambda: [1024, 2048])
@@ -104,6 +104,47 @@ class LongContextConfig:
     corpus: str = "novels_standin"      # the filler text (its evaluation part)
     max_new_tokens: int = 24
     seed: int = 0
+
+
+@dataclass
+class QasperConfig:
+    # yes/no questions over the embedded full papers (palu.eval.qasper)
+    limit: Optional[int] = 20           # a balanced subset (half yes, half no); null: all 319
+    max_length: int = 2048              # prompt tokens; longer papers lose their middle
+    max_new_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass
+class LongBenchConfig:
+    # THUDM LongBench from local files (palu.eval.longbench): <dir>/<task>.jsonl
+    dir: Optional[str] = None
+    tasks: List[str] = field(default_factory=lambda: [
+        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
+        "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
+        "lcc", "repobench-p"])          # the paper's sixteen English tasks
+    limit: Optional[int] = None         # first N samples per task (null: all)
+    max_length: int = 7500              # prompt tokens (the paper: 31500 on 32K models)
+    prompts: Optional[str] = None       # LongBench's dataset2prompt.json for its exact prompts
+
+
+@dataclass
+class RulerConfig:
+    # RULER's prepared files (palu.eval.ruler): <dir>/<task>/validation.jsonl
+    dir: Optional[str] = None
+    tasks: List[str] = field(default_factory=lambda: ["niah_single_1", "niah_multikey_1",
+                                                      "niah_multivalue", "vt", "cwe", "qa_1"])
+    limit: Optional[int] = None
+    max_length: int = 8192
+
+
+@dataclass
+class LongContextConfig:
+    suite: str = "needles"              # needles | qasper | longbench | ruler (palu.eval.suites)
+    needles: NeedlesConfig = field(default_factory=NeedlesConfig)
+    qasper: QasperConfig = field(default_factory=QasperConfig)
+    longbench: LongBenchConfig = field(default_factory=LongBenchConfig)
+    ruler: RulerConfig = field(default_factory=RulerConfig)
 
 
 @dataclass
@@ -162,7 +203,10 @@ _CHOICES = {
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
              "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
-             "kvquant.tokens_per_window", "longcontext.per_cell", "longcontext.max_new_tokens")
+             "kvquant.tokens_per_window", "longcontext.needles.per_cell",
+             "longcontext.needles.max_new_tokens", "longcontext.qasper.max_length",
+             "longcontext.qasper.max_new_tokens", "longcontext.longbench.max_length",
+             "longcontext.ruler.max_length")
 
 
 def validate(cfg: DictConfig | dict) -> DictConfig:
@@ -211,14 +255,11 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         check_request(list(z.tasks), z.limit, z.source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    from .eval.longcontext import KINDS
-    lc = merged.longcontext
-    if not lc.kinds or any(k not in KINDS for k in lc.kinds):
-        raise ConfigError(f"longcontext.kinds={list(lc.kinds)} must be from {list(KINDS)}")
-    if not lc.lengths or any(n <= 0 for n in lc.lengths):
-        raise ConfigError(f"longcontext.lengths={list(lc.lengths)} must be positive token counts")
-    if not lc.depths or any(not 0.0 <= d <= 1.0 for d in lc.depths):
-        raise ConfigError(f"longcontext.depths={list(lc.depths)} must lie in [0, 1]")
+    from .eval.suites import check_suite
+    try:
+        check_suite(merged.longcontext)
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(str(err)) from None
     method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged

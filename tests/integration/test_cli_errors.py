@@ -43,6 +43,11 @@ def _run(step, *overrides, tmp_path):
     ("evaluate", ["method=kvquant", "method.state=/nonexistent"], "no KVQuant state"),
     ("decompose", ["palu.rotation=givens"], "palu.rotation='givens' is not one of"),
     ("evaluate", ["method=quarot"], "Could not find 'method/quarot'"),
+    # the long-context suites (issue 17): a missing data folder, a context over the model's
+    ("longcontext", ["longcontext.suite=longbench", "longcontext.longbench.dir=/nonexistent/lb"],
+     "missing LongBench files in /nonexistent/lb: narrativeqa.jsonl"),
+    ("longcontext", ["longcontext.suite=qasper", "longcontext.qasper.max_length=9000"],
+     "prompts of up to 9000 tokens (with the answer) exceed the model's maximum context (8192"),
 ])
 def test_bad_input_fails_early_without_output(prepared_model, tmp_path, step, overrides, message):
     if "model.id=" in overrides[0]:

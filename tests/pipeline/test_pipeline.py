@@ -66,9 +66,11 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     assert (zs["piqa_n"] == 2).all() and (zs["winogrande_n"] == 2).all()
     assert zs["diff_lo"].le(zs["diff_vs_fp16"]).all() and zs["diff_vs_fp16"].le(zs["diff_hi"]).all()
     assert "Δ vs FP16" in (results / "tables" / "zeroshot.md").read_text()
-    # needle retrieval generated through each cache, and its heatmap
+    # needle retrieval and Qasper answers generated through each cache, and the needle heatmap
     lc = pd.read_csv(results / "tables" / "longcontext.csv")
-    assert set(lc["method"]) == set(zs["method"]) and (lc["n"] == 2).all()
+    assert set(lc["method"]) == set(zs["method"])
+    assert set(lc["task"]) == {"needles", "needles_L160", "qasper_yesno", "average"}
+    assert (lc.loc[lc["task"] != "average", "n"] == 2).all() and (lc.loc[lc["task"] == "average", "n"] == 4).all()
     assert (results / "figures" / "needle_heatmap.png").stat().st_size > 10_000
     _check_wandb_runs(TEST_WORK / "wandb", results)
 

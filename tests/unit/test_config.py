@@ -55,6 +55,13 @@ def test_every_option_of_every_group_composes_and_validates(group, kvquant_state
     ("method=palu", "method.checkpoint"),
     (["method=palu", "method.checkpoint=x", "method.bits=5"], "method.bits"),
     ("device=gpu", "device"),
+    ("longcontext.suite=babilong", "longcontext.suite"),
+    ("longcontext.qasper.limit=0", "longcontext.qasper.limit"),
+    ("longcontext.needles.lengths=[0]", "longcontext.needles.lengths"),
+    (["longcontext.suite=longbench", "longcontext.longbench.dir=/nonexistent"], "missing LongBench files"),
+    (["longcontext.suite=longbench"], "longcontext.longbench.dir is not set"),
+    (["longcontext.suite=ruler", "longcontext.ruler.dir=/nonexistent"], "missing RULER files"),
+    ("longcontext.qasper.max_length=0", "longcontext.qasper.max_length"),
 ])
 def test_out_of_range_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -125,10 +125,11 @@ def test_the_long_context_table_and_heatmap(tmp_path):
     from palu.reporting.longcontext_table import longcontext_frame, needle_heatmap, to_markdown, _load
     paths = [_lc_result(tmp_path, "fp16", [1.0] * 20), _lc_result(tmp_path, "bad", [0.0] * 20),
              _lc_result(tmp_path, "two", [1.0] * 18 + [0.0] * 2)]
-    frame = longcontext_frame(paths).set_index("method")
-    assert frame.loc["bad", "significant"] and frame.loc["bad", "accuracy"] == 0
-    assert not frame.loc["two", "significant"]          # two changed answers: sign test p = 0.5
-    assert frame.loc["fp16", "L512"] == 1.0 and frame.loc["two", "L1024"] == 0.8
+    frame = longcontext_frame(paths).set_index(["method", "task"])
+    assert frame.loc[("bad", "needles"), "significant"] and frame.loc[("bad", "needles"), "score"] == 0
+    assert not frame.loc[("two", "needles"), "significant"]   # two changed answers: sign test p = 0.5
+    assert frame.loc[("fp16", "needles_L512"), "score"] == 1.0
+    assert frame.loc[("two", "needles_L1024"), "score"] == 0.8
     assert "| two | 16 |" in to_markdown(longcontext_frame(paths), _load(paths))
     assert not paired_difference([0.0, 0.0], [1.0, 1.0])["significant"]   # zero-width bootstrap, n=2
     needle_heatmap(paths, tmp_path / "h.png")

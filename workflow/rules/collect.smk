@@ -39,7 +39,7 @@ rule cache_memory_run:
         method=lambda w: GRID.run_overrides(w.run),
         context=config["memory"]["context"],
         corpus=config["memory"]["corpus"],
-    threads: workflow.cores
+    threads: JOB_THREADS
     shell:
         "{PY} -m palu.cli.generate {COMMON} {params.method} data={params.corpus} "
         "generate.context={params.context} out={output} progress=false "

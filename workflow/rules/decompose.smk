@@ -41,7 +41,7 @@ rule decompose:
         log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}"),
     benchmark:
         bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}")
-    threads: workflow.cores
+    threads: JOB_THREADS
     params:
         palu=lambda w: GRID.decompose_overrides(spec_of(w)),
     shell:

@@ -9,7 +9,7 @@ rule evaluate:
         log("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}"),
     benchmark:
         bench("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}")
-    threads: workflow.cores
+    threads: JOB_THREADS
     params:
         max_tokens=max_tokens,
         method=lambda w: GRID.run_overrides(w.run),

@@ -1,24 +1,28 @@
-# Decode-time needle retrieval of the grid's `longcontext:` runs through their caches, the table
-# pairing every method with FP16, and the depth x length heatmap.
+# Decode-time long-context evaluation of the grid's `longcontext:` runs through their caches, one
+# job per run x suite (needles, qasper, longbench, ruler), the table pairing every method with FP16
+# per task, and the needle depth x length heatmap.
 LONGCONTEXT_TARGETS = []
 
 if config.get("longcontext"):
-    LONGCONTEXT_TARGETS = [str(naming.table_prefix(R, "longcontext")) + ".md",
-                           str(naming.figure_path(R, "needle_heatmap"))]
+    LONGCONTEXT_TARGETS = [str(naming.table_prefix(R, "longcontext")) + ".md"]
+    if GRID.longcontext_files("needles"):
+        LONGCONTEXT_TARGETS.append(str(naming.figure_path(R, "needle_heatmap")))
 
     rule longcontext:
         input:
             lambda w: GRID.run_inputs(w.run),
         output:
             GRID.longcontext_pattern(),
+        wildcard_constraints:
+            suite="|".join(re.escape(tag) for tag in GRID.longcontext_tags()),
         log:
-            log("longcontext", "{run}"),
+            log("longcontext", "{run}/{suite}"),
         benchmark:
-            bench("longcontext", "{run}")
-        threads: workflow.cores
+            bench("longcontext", "{run}/{suite}")
+        threads: JOB_THREADS
         params:
             method=lambda w: GRID.run_overrides(w.run),
-            suite=GRID.longcontext_overrides(),
+            suite=lambda w: GRID.longcontext_overrides(w.suite),
         shell:
             "{PY} -m palu.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
@@ -40,7 +44,7 @@ if config.get("longcontext"):
 
     rule needle_heatmap:
         input:
-            GRID.longcontext_files(),
+            GRID.longcontext_files("needles"),
         output:
             str(naming.figure_path(R, "needle_heatmap")),
         log:

@@ -14,7 +14,7 @@ if config.get("zeroshot"):
             log("zeroshot", "{run}"),
         benchmark:
             bench("zeroshot", "{run}")
-        threads: workflow.cores
+        threads: JOB_THREADS
         params:
             method=lambda w: GRID.run_overrides(w.run),
             zeroshot=GRID.zeroshot_overrides(),

@@ -21,7 +21,7 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization", "zeroshot", "longcontext"}
+         "memory", "quantization", "zeroshot", "longcontext", "job_threads"}
 TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization")
 
 
@@ -190,28 +190,52 @@ class Grid:
     def longcontext_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
         return self._suite_runs("longcontext")
 
-    def longcontext_settings(self) -> dict:
-        c = self.c["longcontext"]
-        return {"kinds": list(c.get("kinds", ["single"])), "lengths": [int(x) for x in c["lengths"]],
-                "depths": [float(d) for d in c["depths"]], "per_cell": int(c.get("per_cell", 1)),
-                "corpus": c.get("corpus", "novels_standin"), "seed": int(c.get("seed", 0))}
+    _SUITE_DEFAULTS = {
+        "needles": {"kinds": ["single"], "per_cell": 1, "corpus": "novels_standin", "seed": 0},
+        "qasper": {"limit": 20, "max_length": 2048, "seed": 0},
+        "longbench": {"limit": None, "max_length": 7500, "prompts": None},
+        "ruler": {"limit": None, "max_length": 8192},
+    }
+
+    def longcontext_suites(self) -> dict[str, dict]:
+        """Each suite of the grid's `longcontext.suites` with its settings, defaults filled in."""
+        suites = (self.c.get("longcontext") or {}).get("suites") or {}
+        unknown = [s for s in suites if s not in self._SUITE_DEFAULTS]
+        if unknown:
+            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: "
+                             f"{list(self._SUITE_DEFAULTS)}")
+        out = {}
+        for name, given in suites.items():
+            s = {**self._SUITE_DEFAULTS[name], **(given or {})}
+            if name == "needles":
+                s.update(lengths=[int(x) for x in s["lengths"]], depths=[float(d) for d in s["depths"]])
+            out[name] = s
+        return out
+
+    def longcontext_tags(self) -> dict[str, str]:
+        """Result-file tag -> suite name, for every suite of the grid."""
+        return {naming.suite_tag(name, s, self.dtype): name for name, s in self.longcontext_suites().items()}
 
     def longcontext_pattern(self) -> str:
-        s = self.longcontext_settings()
-        tag = naming.longcontext_tag(s["kinds"], s["lengths"], s["depths"], s["per_cell"], s["corpus"],
-                                     s["seed"], self.dtype)
-        return str(naming.longcontext_path(self.results, self.model, "{run}", tag))
+        """The longcontext rule's output, with {run} and {suite} (a suite's tag) wildcards."""
+        return str(naming.longcontext_path(self.results, self.model, "{run}", "{suite}"))
 
-    def longcontext_files(self) -> list[str]:
-        return [self.longcontext_pattern().replace("{run}", run) for run in self.longcontext_runs()]
+    def longcontext_files(self, suite: str | None = None) -> list[str]:
+        return [str(naming.longcontext_path(self.results, self.model, run, tag))
+                for tag, name in self.longcontext_tags().items() if suite in (None, name)
+                for run in self.longcontext_runs()]
 
-    def longcontext_overrides(self) -> str:
-        s = self.longcontext_settings()
-        return (f"'longcontext.kinds=[{','.join(s['kinds'])}]' "
-                f"'longcontext.lengths=[{','.join(map(str, s['lengths']))}]' "
-                f"'longcontext.depths=[{','.join(f'{d:g}' for d in s['depths'])}]' "
-                f"longcontext.per_cell={s['per_cell']} longcontext.corpus={s['corpus']} "
-                f"longcontext.seed={s['seed']}")
+    def longcontext_overrides(self, tag: str) -> str:
+        """The Hydra overrides of the suite whose result tag is `tag`."""
+        name = self.longcontext_tags()[tag]
+        out = [f"longcontext.suite={name}"]
+        for key, value in sorted(self.longcontext_suites()[name].items()):   # the grid's key order is no setting
+            if isinstance(value, list):
+                items = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+                out.append(f"'longcontext.{name}.{key}=[{items}]'")
+            else:
+                out.append(f"longcontext.{name}.{key}={'null' if value is None else value}")
+        return " ".join(out)
 
     def zeroshot_settings(self) -> dict:
         z = self.c["zeroshot"]

@@ -233,10 +233,34 @@ def longcontext_path(results: str, model: str, run: str, tag: str) -> Path:
     return Path(results) / "longcontext" / model / run / f"{tag}.json"
 
 
+def _short_hash(text: str) -> str:
+    import hashlib
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def suite_tag(suite: str, settings: dict, dtype: str) -> str:
+    """A long-context suite's result name: every setting that changes a score. `settings` holds
+    that suite's `longcontext.<suite>` fields; local data folders enter by a hash of their path."""
+    s = settings
+    if suite == "needles":
+        return longcontext_tag(s["kinds"], s["lengths"], s["depths"], s["per_cell"], s["corpus"],
+                               s["seed"], dtype)
+    limit = "all" if s.get("limit") is None else s["limit"]
+    if suite == "qasper":
+        return f"qasper-n{limit}-L{s['max_length']}-s{s['seed']}-{dtype}"
+    if suite in ("longbench", "ruler"):
+        tasks = "+".join(s["tasks"])
+        tasks = tasks if len(tasks) <= 60 else f"{len(s['tasks'])}tasks-{_short_hash(tasks)}"
+        prompts = "" if not s.get("prompts") else f"-p{_short_hash(str(s['prompts']))}"
+        return (f"{suite}-{tasks}-n{limit}-L{s['max_length']}-d{_short_hash(str(s['dir']))}"
+                f"{prompts}-{dtype}")
+    raise ValueError(f"long-context suite {suite!r} unknown")
+
+
 def longcontext_tag_of(cfg) -> str:
-    c = cfg.longcontext
-    return longcontext_tag(list(c.kinds), list(c.lengths), list(c.depths), c.per_cell, c.corpus, c.seed,
-                           cfg.model.dtype)
+    from omegaconf import OmegaConf
+    lc = cfg.longcontext
+    return suite_tag(lc.suite, OmegaConf.to_container(lc[lc.suite], resolve=True), cfg.model.dtype)
 
 
 def longcontext_path_of(cfg, method) -> Path:
