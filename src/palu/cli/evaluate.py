@@ -55,7 +55,7 @@ def run(cfg) -> dict:
                        run=run_name,
                        calibration_fraction=cfg.data.calibration_fraction, **summary)
         write_json(out, record(cfg, metrics=metrics, method=method.record()))
-        wb.metrics(metrics)
+        wb.metrics({k: v for k, v in metrics.items() if not k.startswith("block_")})
         wb.make("metrics", out, method=method.tag, corpus=cfg.data.corpus)
     log.info("%s: ppl %.3f on %s (%d tokens) -> %s", method.tag, metrics["ppl"], cfg.data.corpus,
              metrics["tokens"], out)

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from ..progress import steps
 
+BLOCK = 128     # scored tokens per NLL block (the resampling unit of ppl intervals)
+
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
@@ -23,10 +25,16 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     evaluation therefore equals feeding the tokens one at a time through the same cache
     (tests/unit/test_method_perplexity.py). None: no cache (`use_cache=False`).
     `cache_nbytes`: measures the first window's filled cache (returned as `cache_nbytes`).
-    Returns ppl, total nll, scored token count and wall time, so results can be re-aggregated.
+    Returns ppl, total nll, scored token count and wall time, so results can be re-aggregated,
+    and the NLL of every block of `BLOCK` scored tokens of every window (`block_nll`,
+    `block_tokens`, window by window): the unit that intervals on ppl and paired differences
+    between methods resample (`palu.eval.stats.ppl_interval`), since a default run has only a few
+    windows.
     """
     device = next(model.parameters()).device
     nll, count, start, measured = 0.0, 0, time.perf_counter(), None
+    block_nll: list[float] = []
+    block_tokens: list[int] = []
     batches = windows.split(batch_size)
     for batch in steps(batches, "perplexity", "windows", progress):
         batch = batch.to(device)
@@ -38,16 +46,21 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
             if cache_nbytes is not None and measured is None:
                 measured = cache_nbytes(cache)
             del cache
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
-                               reduction="sum").item()
+        tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
+                                 reduction="none").view(batch.shape[0], -1).double()
+        loss = tokens.sum().item()
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss}) in a perplexity window: "
                                      "the model or its cache produced NaN/inf")
         nll += loss
         count += batch[:, 1:].numel()
+        for row in tokens:
+            for part in row.split(BLOCK):
+                block_nll.append(part.sum().item())
+                block_tokens.append(part.numel())
     mean = nll / count
     out = {"ppl": math.exp(mean), "nll": nll, "scored_tokens": count, "windows": len(windows),
-           "seconds": time.perf_counter() - start}
+           "seconds": time.perf_counter() - start, "block_nll": block_nll, "block_tokens": block_tokens}
     if measured is not None:
         out["cache_nbytes"] = measured
     return out
