@@ -6,13 +6,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..eval.stats import ppl_difference, ppl_interval
 from ..io import read_json
 from . import write_frame
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
            "rotation", "calibration_samples", "calibration_seqlen", "fisher_samples", "family",
-           "kv_bits", "effective_bits", "compression_vs_fp16", "cache_bytes_fp16", "dtype", "ppl"]
+           "kv_bits", "effective_bits", "compression_vs_fp16", "cache_bytes_fp16", "dtype", "ppl",
+           "ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"]
 BYTES = ("effective_bits", "compression_vs_fp16", "cache_bytes_fp16")
 
 
@@ -47,7 +49,35 @@ def run_row(path: str | Path) -> dict:
         # measured from a real cache at the evaluated length (runs before issue 16 have none)
         **{k: m.get(k, math.nan) for k in BYTES},
         "dtype": m.get("dtype"), "ppl": m["ppl"],
+        # 95% interval over the run's token blocks (runs before issue 21 stored none)
+        **dict(zip(("ppl_lo", "ppl_hi"), ppl_interval(m["block_nll"], m["block_tokens"])
+                   if m.get("block_nll") else (math.nan, math.nan))),
     }
+
+
+def _blocks(path: str | Path):
+    m = read_json(path)["metrics"]
+    return (m.get("block_nll"), m.get("block_tokens"))
+
+
+def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFrame:
+    """Each run's ppl minus FP16's on the same corpus and token blocks, with a 95% paired
+    interval; NaN where either run lacks blocks or their blocks differ (other windows)."""
+    blocks = [_blocks(p) for p in paths]
+    frame = frame.assign(diff_vs_fp16=math.nan, diff_lo=math.nan, diff_hi=math.nan, significant=None)
+    for corpus in frame["corpus"].unique():
+        ref = [i for i in frame.index if frame.at[i, "corpus"] == corpus and frame.at[i, "method"] == "fp16"]
+        if not ref or blocks[ref[0]][0] is None:
+            continue
+        ref_nll, ref_tok = blocks[ref[0]]
+        for i in frame.index[(frame["corpus"] == corpus) & (frame["method"] != "fp16")]:
+            nll, tok = blocks[i]
+            if nll is None or tok != ref_tok:
+                continue
+            d = ppl_difference(nll, ref_nll, tok)
+            frame.loc[i, ["diff_vs_fp16", "diff_lo", "diff_hi"]] = d["diff"], d["lo"], d["hi"]
+            frame.at[i, "significant"] = d["significant"]
+    return frame
 
 
 def build_table(paths: list[str], need_bytes: bool = False) -> pd.DataFrame:
@@ -60,7 +90,7 @@ def build_table(paths: list[str], need_bytes: bool = False) -> pd.DataFrame:
         missing = [str(p) for p, r in zip(paths, rows) if not math.isfinite(r["effective_bits"])]
         if missing:
             raise ValueError(f"runs without measured cache bytes (evaluate them again): {missing}")
-    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame = add_paired_differences(pd.DataFrame(rows, columns=COLUMNS[:-4]), paths)
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
@@ -75,18 +105,35 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
     if shown["effective_bits"].isna().all():   # tables of runs without measured bytes
         shown = shown.drop(columns=list(BYTES))
     shown["ppl"] = shown["ppl"].map(lambda v: f"{v:.3f}")
+    intervals = frame["ppl_lo"].notna().any()
+    if not intervals:
+        shown = shown.drop(columns=["ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
     shown["kept_ratio_realised"] = shown["kept_ratio_realised"].map(lambda v: f"{v:.4f}")
-    pivot = frame.pivot_table(index=["method"], columns="corpus", values="ppl", aggfunc="first")
+    cells = frame.assign(cell=[_cell(r) for _, r in frame.iterrows()]) if intervals else frame
+    pivot = cells.pivot_table(index=["method"], columns="corpus", values="cell" if intervals else "ppl",
+                              aggfunc="first")
     if frame["effective_bits"].notna().any():
         sizes = frame.groupby("method")[["effective_bits", "compression_vs_fp16"]].first()
         pivot = pivot.join(sizes.rename(columns={"effective_bits": "bits/element",
                                                  "compression_vs_fp16": "x vs FP16"}))
         pivot = pivot.sort_values("bits/element", ascending=False)
+    note = ("Cells: ppl [95% interval over the run's 128-token blocks] and, for a compressed row, its "
+            "paired difference to FP16 on the same blocks (95% paired bootstrap; \"~\": the interval "
+            "contains 0, not a change). " if intervals else "")
     return (f"# {title}\n\nPerplexity (lower is better); every number was produced by the pipeline "
-            f"from the run files in results/runs/. Corpora marked as stand-ins are embedded "
+            f"from the run files in results/runs/. {note}Corpora marked as stand-ins are embedded "
             f"substitutes, not the paper's corpora.\n\n"
             f"{pivot.to_markdown(floatfmt='.3f')}\n\n## All columns\n\n"
             f"{shown.to_markdown(index=False)}\n")
+
+
+def _cell(r) -> str:
+    if math.isnan(r["ppl_lo"]):
+        return f"{r['ppl']:.3f}"
+    text = f"{r['ppl']:.2f} [{r['ppl_lo']:.2f}, {r['ppl_hi']:.2f}]"
+    if not math.isnan(r["diff_vs_fp16"]):
+        text += f" Δ{r['diff_vs_fp16']:+.2f}" + ("" if r["significant"] else " ~")
+    return text
 
 
 def write_table(frame: pd.DataFrame, prefix: str | Path, title: str) -> None:

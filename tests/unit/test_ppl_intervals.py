@@ -1,0 +1,57 @@
+"""Perplexity intervals: the block bootstrap covers the true perplexity at about its stated rate,
+paired differences cancel what the text makes hard for both methods, and tables show both."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from palu.eval.stats import ppl_difference, ppl_interval
+
+
+def test_the_block_interval_covers_the_true_ppl_at_its_rate():
+    rng = np.random.default_rng(0)
+    true_mean, blocks, hits, reps = 3.0, 32, 0, 300
+    for rep in range(reps):
+        # 128-token blocks of iid token NLLs (gamma, mean 3): the true ppl is exp(3)
+        nll = rng.gamma(2.0, true_mean / 2.0, size=(blocks, 128)).sum(axis=1)
+        lo, hi = ppl_interval(nll, np.full(blocks, 128), iters=2000, seed=rep)
+        hits += lo <= math.exp(true_mean) <= hi
+    assert 0.90 <= hits / reps <= 0.99, hits / reps
+
+
+def test_paired_differences_cancel_shared_difficulty():
+    rng = np.random.default_rng(1)
+    hard = rng.gamma(2.0, 1.5, size=32) * 128          # the text's difficulty per block, shared
+    tokens = np.full(32, 128)
+    a, b = hard + 0.02 * 128, hard.copy()              # a: +0.02 nats per token everywhere
+    d = ppl_difference(a, b, tokens)
+    lo_a, hi_a = ppl_interval(a, tokens)
+    assert d["significant"] and d["lo"] > 0 and (d["hi"] - d["lo"]) < 0.1 * (hi_a - lo_a)
+    assert d["relative"] == pytest.approx(math.exp(0.02) - 1)
+    assert not ppl_difference(b, b, tokens)["significant"]
+    with pytest.raises(ValueError, match="same >= 2 blocks"):
+        ppl_difference(a, b[:5], tokens)
+
+
+def _run(tmp_path, method, nll, corpus="wiki_standin"):
+    m = {"model": "m", "method": method, "corpus": corpus, "corpus_label": corpus, "seqlen": 256,
+         "tokens": 512, "ppl": math.exp(sum(nll) / (128 * len(nll))), "dtype": "float32",
+         "block_nll": list(nll), "block_tokens": [128] * len(nll)}
+    path = tmp_path / f"{method}-{corpus}.json"
+    path.write_text(json.dumps({"metrics": m}))
+    return str(path)
+
+
+def test_tables_show_intervals_and_paired_differences(tmp_path):
+    from palu.reporting.tables import build_table, to_markdown
+    rng = np.random.default_rng(2)
+    hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
+    paths = [_run(tmp_path, "fp16", hard), _run(tmp_path, "worse", [h + 0.1 * 128 for h in hard]),
+             _run(tmp_path, "same", [h + rng.normal(0, 0.5) for h in hard])]
+    frame = build_table(paths).set_index("method")
+    assert frame.loc["fp16", "ppl_lo"] < frame.loc["fp16", "ppl"] < frame.loc["fp16", "ppl_hi"]
+    assert frame.loc["worse", "significant"] and frame.loc["worse", "diff_lo"] > 0
+    assert not frame.loc["same", "significant"] and math.isnan(frame.loc["fp16", "diff_vs_fp16"])
+    text = to_markdown(build_table(paths), "t")
+    assert "Δ" in text and "~" in text and "95% interval" in text
