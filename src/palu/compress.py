@@ -18,6 +18,7 @@ from .calib.gram import collect_grams
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
+from .decompose.spectra import whitened_spectra
 from .decompose.factors import decompose_model
 from .decompose.ranks import allocate
 from .models.adapters import geometry_of
@@ -74,11 +75,17 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     geom = geometry_of(model.config)
     base_hash = source_hash(model)
     grams = collect_grams(model, calibration, progress)["gram"] if decomposition == "whitened" else None
-    fisher = None
+    fisher, spectra = None, None
     if rank_method != "uniform":
-        fisher = collect_fisher(model, fisher_windows if fisher_windows is not None else calibration,
-                                progress)["fisher"]
-    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher)
+        stats = collect_fisher(model, fisher_windows if fisher_windows is not None else calibration,
+                               progress)
+        fisher = stats["output_fisher" if rank_method == "error_aware" else "fisher"]
+    if rank_method == "error_aware":
+        if grams is None:
+            raise ValueError("rank_method='error_aware' needs decomposition='whitened' (its error "
+                             "profiles are the whitened spectra)")
+        spectra = whitened_spectra(model, grams, group_size)
+    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra)
     factors, report = decompose_model(model, allocation, grams, decomposition, progress,
                                       rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},

@@ -50,3 +50,33 @@ def test_bad_rank_is_rejected():
             assert str(rank) in str(err)
         else:
             raise AssertionError("rank out of range accepted")
+
+
+def test_whitened_spectra_are_the_exact_truncation_errors():
+    """sum of sigma_i^2 beyond rank r = ||(W - B A) X||_F^2 on the calibration inputs."""
+    from palu.calib.gram import collect_grams
+    from palu.decompose.ranks import Slot
+    from palu.decompose.spectra import whitened_spectra
+    from palu.decompose.svd import factorize, whitening
+    from tiny import tiny_llama
+    model = tiny_llama(0).double()
+    windows = torch.randint(0, 97, (3, 40), generator=torch.Generator().manual_seed(1))
+    grams = collect_grams(model, windows, progress=False)["gram"]
+    spectra = whitened_spectra(model, grams, group_size=1)
+    W = model.model.layers[1].self_attn.v_proj.weight.double()[16:32]      # layer 1, value group 1
+    A, B = factorize(W, 5, whitening(grams[1]))
+    E = W - B @ A
+    error = torch.einsum("oi,ij,oj->", E, grams[1], E)
+    assert torch.allclose(spectra[Slot(1, "v", 1)][5:].sum(), error, rtol=1e-8)
+
+
+def test_compress_with_error_aware_ranks_meets_the_budget():
+    import palu
+    from tiny import tiny_llama
+    model = tiny_llama(0).double()
+    calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
+    result = palu.compress(model, calib, kept_ratio=0.5, group_size=1, rank_method="error_aware",
+                           multiple=2, progress=False)
+    assert result.allocation["method"] == "error_aware" and result.allocation["kept_ratio_realised"] == 0.5
+    ranks = [r["rank"] for r in result.allocation["ranks"]]
+    assert sum(ranks) == result.allocation["latent_size"] and len(set(ranks)) > 1

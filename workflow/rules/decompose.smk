@@ -20,11 +20,27 @@ rule ranks_fisher:
     output:
         str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
     wildcard_constraints:
-        method="|".join(m for m in RANK_METHODS if m != "uniform"),
+        method="|".join(m for m in RANK_METHODS if m not in ("uniform", "error_aware")),
     log:
         log("ranks", "{method}-k{kept}-g{group}"),
     shell:
         "{PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
+
+
+# error_aware spends ranks against each block's exact truncation error (the whitened spectrum
+# of its weights on the calibration Gram) weighted by the loss's output Fisher
+rule ranks_error_aware:
+    input:
+        MODEL_DIR,
+        str(naming.fisher_path(W, M, CTAG, FTAG)),
+        str(naming.gram_path(W, M, CTAG)),
+    output:
+        str(naming.ranks_path(W, M, CTAG, FTAG, "error_aware", "{kept}", "{group}", MULT)),
+    log:
+        log("ranks", "error_aware-k{kept}-g{group}"),
+    shell:
+        "{PY} -m palu.cli.ranks {COMMON} palu.rank_method=error_aware palu.kept_ratio={wildcards.kept} "
+        "palu.group_size={wildcards.group} out={output} > {log} 2>&1"
 
 
 rule decompose:

@@ -1,7 +1,13 @@
-"""Fisher information of the K and V projection weights: squared gradients of the LM loss.
+"""Fisher information of the K and V projections: squared gradients of the LM loss.
 
-Stored per layer, per K/V and per KV head (the sum of the Fisher entries in that head's rows),
-so any group size can be reduced from it later.
+Two statistics from one backward pass per window, each per layer, per K/V and per KV head (so any
+group size can be reduced from it later):
+- `fisher`: of the projection *weights* (the sum of the squared weight gradients in that head's
+  rows), what the Fisher rank methods weigh blocks by;
+- `output_fisher`: of the projection *outputs* (the mean over tokens and the head's output
+  coordinates of the squared gradient of the loss with respect to the K or V output), how much
+  the loss responds to an error in that block's output: what `error_aware` allocation weighs
+  the exact truncation error of each block by.
 """
 from __future__ import annotations
 
@@ -27,22 +33,43 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
         vw.requires_grad_(True)
     squares = [[torch.zeros_like(kw, dtype=torch.float64), torch.zeros_like(vw, dtype=torch.float64)]
                for kw, vw in weights]
+    outputs = [[torch.zeros(kw.shape[0], dtype=torch.float64, device=kw.device),
+                torch.zeros(vw.shape[0], dtype=torch.float64, device=vw.device)] for kw, vw in weights]
+
+    def output_hook(acc):
+        def backward(g):       # returns None: the gradient itself is left as it is
+            acc.add_(g.double().pow(2).reshape(-1, g.shape[-1]).sum(0))
+
+        def forward(_module, _args, out):
+            out.register_hook(backward)
+        return forward
+
+    hooks = []
+    for layer, acc in zip(layers, outputs):
+        _, k, v, _ = adapter.projections(adapter.attention(layer))
+        hooks += [k.register_forward_hook(output_hook(acc[0])), v.register_forward_hook(output_hook(acc[1]))]
     device = next(model.parameters()).device
+    tokens = 0
     try:
         for window in steps(windows, "Fisher", "windows", progress):
             batch = window[None].to(device)
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             model.zero_grad(set_to_none=True)
             loss.backward()
+            tokens += batch.numel()
             for acc, pair in zip(squares, weights):
                 for j in range(2):
                     acc[j] += pair[j].grad.double() ** 2     # on the weights' device
     finally:
+        for h in hooks:
+            h.remove()
         model.zero_grad(set_to_none=True)
         for p, flag in saved.items():
             p.requires_grad_(flag)
     fisher = torch.zeros(len(layers), 2, geom.num_kv_heads, dtype=torch.float64)
-    for i, acc in enumerate(squares):
+    output_fisher = torch.zeros_like(fisher)
+    for i, (acc, out) in enumerate(zip(squares, outputs)):
         for j in range(2):  # rows of head h: h*head_dim .. (h+1)*head_dim
             fisher[i, j] = acc[j].view(geom.num_kv_heads, geom.head_dim, -1).sum(dim=(1, 2)).cpu()
-    return {"fisher": fisher, "windows": int(len(windows))}
+            output_fisher[i, j] = out[j].view(geom.num_kv_heads, geom.head_dim).mean(dim=1).cpu() / max(tokens, 1)
+    return {"fisher": fisher, "output_fisher": output_fisher, "windows": int(len(windows))}

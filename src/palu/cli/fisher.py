@@ -18,7 +18,7 @@ def run(cfg) -> str:
         windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)
         stats = collect_fisher(model, windows, progress=cfg.progress)
         with atomic_path(out) as tmp:
-            save_file({"fisher": stats["fisher"].cpu()}, str(tmp),
+            save_file({"fisher": stats["fisher"].cpu(), "output_fisher": stats["output_fisher"].cpu()}, str(tmp),
                       metadata={"windows": str(stats["windows"])})
         wb.metrics({"windows": stats["windows"]})
         wb.make("fisher", out, windows=stats["windows"], tag=naming.fisher_tag_of(cfg))

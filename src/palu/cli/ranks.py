@@ -22,10 +22,28 @@ def run(cfg) -> dict:
             raise FileNotFoundError(f"rank method {p.rank_method!r} needs Fisher scores at {path}; "
                                     "run `python -m palu.cli.fisher` first")
         used["fisher"] = str(path)
-        fisher = load_file(str(path))["fisher"]
+        stats = load_file(str(path))
+        key = "output_fisher" if p.rank_method == "error_aware" else "fisher"
+        if key not in stats:
+            raise ValueError(f"{path} has no {key!r} (written before error_aware existed): run "
+                             "`python -m palu.cli.fisher` again")
+        fisher = stats[key]
+    spectra = None
+    if p.rank_method == "error_aware":
+        gram = naming.gram_path_of(cfg)
+        if not gram.is_file():
+            raise FileNotFoundError(f"rank method 'error_aware' needs the calibration Gram at {gram}; "
+                                    "run `python -m palu.cli.calibrate` first")
+        used["gram"] = str(gram)
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
-        allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher)
+        if p.rank_method == "error_aware":
+            from ..decompose.spectra import whitened_spectra
+            from ..models.loading import load_model
+            model, _ = load_model(model_path(cfg), dtype="float32", device="cpu")
+            spectra = whitened_spectra(model, load_file(used["gram"])["gram"], p.group_size)
+        allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher,
+                              spectra)
         write_json(out, allocation)
         wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
                     "kept_ratio_target": p.kept_ratio})

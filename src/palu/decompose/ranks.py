@@ -4,6 +4,14 @@
 importance): plain proportional allocation starves the keys on small models (see the rank_search
 table), the square root keeps the ordering but flattens the extremes.
 
+`error_aware` allocates from what a rank cut costs rather than from weight sensitivity: a block
+truncated to rank r loses exactly the whitened singular values beyond r in output energy on the
+calibration inputs (`spectra`, sigma_i^2 of W S), and the loss responds to that block's output
+error by its output Fisher lambda (`calib.fisher.output_fisher`). Units of `multiple` dims go one
+at a time to the block whose next unit recovers the most lambda * sum(sigma_i^2), which is the
+optimum of the quadratic loss model because each block's gains only shrink (sigma sorted).
+With equal lambdas it keeps the largest whitened singular values overall.
+
 A *slot* is one factorised block: (layer, "k" | "v", group). Ranks are whole multiples of
 `multiple`, each at least one multiple and at most the block's full rank, and their sum equals the
 budget `floor(kept_ratio * original / multiple) * multiple` exactly.
@@ -17,7 +25,7 @@ import torch
 
 from ..models.adapters import Geometry
 
-RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt")
+RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "error_aware")
 
 
 @dataclass(frozen=True)
@@ -77,14 +85,19 @@ def water_fill(weights: list[float], caps: list[int], total: int, floor: int = 1
 
 
 def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "uniform",
-             multiple: int = 8, fisher: torch.Tensor | None = None) -> dict:
-    """Ranks for every slot; `fisher` is (layers, 2, kv_heads) importance for methods using it."""
+             multiple: int = 8, fisher: torch.Tensor | None = None,
+             spectra: dict | None = None) -> dict:
+    """Ranks for every slot; `fisher` is (layers, 2, kv_heads) importance for methods using it
+    (for `error_aware`: the output Fisher), `spectra` {Slot: sigma^2 descending} its error
+    profiles (`decompose.spectra.whitened_spectra`)."""
     if not 0 < kept_ratio <= 1:
         raise ValueError(f"kept_ratio={kept_ratio} must lie in (0, 1]")
     if method not in RANK_METHODS:
         raise ValueError(f"rank method {method!r} is not one of {RANK_METHODS}")
     if method != "uniform" and fisher is None:
         raise ValueError(f"rank method {method!r} needs Fisher scores")
+    if method == "error_aware" and spectra is None:
+        raise ValueError("rank method 'error_aware' needs the blocks' whitened spectra")
     block = group_size * geom.head_dim
     full = min(block, geom.hidden_size)
     if full % multiple:
@@ -104,6 +117,9 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         power = 1.0 if method == "fisher" else 0.5
         units = water_fill([_slot_importance(fisher, s, group_size) ** power for s in all_slots],
                            [cap] * len(all_slots), budget_units)
+    elif method == "error_aware":
+        units = greedy_by_gain([_slot_importance(fisher, s, group_size) for s in all_slots],
+                               [spectra[s] for s in all_slots], multiple, cap, budget_units)
     else:
         units = _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units)
     ranks = [u * multiple for u in units]
@@ -115,6 +131,28 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         "ranks": [{"layer": s.layer, "kind": s.kind, "group": s.group, "rank": r, "full": full}
                   for s, r in zip(all_slots, ranks)],
     }
+
+
+def greedy_by_gain(weights: list[float], spectra: list[torch.Tensor], multiple: int, cap: int,
+                   total: int) -> list[int]:
+    """Units per block (each 1..cap, summing to `total`): every block starts at one unit, then
+    each next unit goes to the block where weight * (energy of its next `multiple` singular
+    values) is largest; ties go by the spread key, so equal blocks share evenly."""
+    import heapq
+    energy = [torch.as_tensor(s, dtype=torch.float64) for s in spectra]
+
+    def gain(i: int, unit: int) -> float:          # value of block i's (unit+1)-th unit
+        return float(weights[i]) * float(energy[i][unit * multiple:(unit + 1) * multiple].sum())
+
+    units = [1] * len(spectra)
+    heap = [(-gain(i, 1), _spread_key(i), i) for i in range(len(spectra)) if cap > 1]
+    heapq.heapify(heap)
+    for _ in range(total - len(spectra)):
+        _, key, i = heapq.heappop(heap)
+        units[i] += 1
+        if units[i] < cap:
+            heapq.heappush(heap, (-gain(i, units[i]), key, i))
+    return units
 
 
 def _slot_importance(fisher: torch.Tensor, slot: Slot, group_size: int) -> float:
