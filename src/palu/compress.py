@@ -68,17 +68,28 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
              rank_method: str = "uniform", decomposition: str = "whitened", multiple: int = 8,
              fisher_windows: torch.Tensor | None = None, fuse: bool = True,
              model_id: str = "unknown", progress: bool = True, rotation: str = "none",
-             rotation_seed: int = 0) -> CompressionResult:
+             rotation_seed: int = 0, grams: torch.Tensor | None = None,
+             fisher_stats: dict | None = None) -> CompressionResult:
     """Compress `model` in place and return what is needed to save or inspect the result.
     `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
-    the same without quantisation, the latents' outliers are spread for a quantised cache."""
+    the same without quantisation, the latents' outliers are spread for a quantised cache.
+    A sweep over settings passes the statistics once computed instead of recollecting them:
+    `grams` = `collect_grams(model, calibration)["gram"]`, `fisher_stats` = `collect_fisher(model,
+    windows)` (both of the *unmodified* model; `calibration` may then be None)."""
     geom = geometry_of(model.config)
     base_hash = source_hash(model)
-    grams = collect_grams(model, calibration, progress)["gram"] if decomposition == "whitened" else None
+    if decomposition == "whitened" and grams is None:
+        if calibration is None:
+            raise ValueError("whitened decomposition needs calibration windows or precomputed grams")
+        grams = collect_grams(model, calibration, progress)["gram"]
     fisher, spectra = None, None
     if rank_method != "uniform":
-        stats = collect_fisher(model, fisher_windows if fisher_windows is not None else calibration,
-                               progress)
+        stats = fisher_stats
+        if stats is None:
+            windows = fisher_windows if fisher_windows is not None else calibration
+            if windows is None:
+                raise ValueError(f"rank_method={rank_method!r} needs Fisher windows or fisher_stats")
+            stats = collect_fisher(model, windows, progress)
         fisher = stats["output_fisher" if rank_method == "error_aware" else "fisher"]
     if rank_method == "error_aware":
         if grams is None:

@@ -80,3 +80,21 @@ def test_compress_with_error_aware_ranks_meets_the_budget():
     assert result.allocation["method"] == "error_aware" and result.allocation["kept_ratio_realised"] == 0.5
     ranks = [r["rank"] for r in result.allocation["ranks"]]
     assert sum(ranks) == result.allocation["latent_size"] and len(set(ranks)) > 1
+
+
+def test_compress_reuses_precomputed_statistics_bit_for_bit():
+    import copy
+
+    import palu
+    from palu.calib.fisher import collect_fisher
+    from palu.calib.gram import collect_grams
+    from tiny import tiny_llama
+    base = tiny_llama(0).double()
+    calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
+    direct = palu.compress(copy.deepcopy(base), calib, 0.5, 1, "error_aware", multiple=2, progress=False)
+    grams = collect_grams(base, calib, progress=False)["gram"]
+    stats = collect_fisher(base, calib, progress=False)
+    reused = palu.compress(copy.deepcopy(base), None, 0.5, 1, "error_aware", multiple=2, progress=False,
+                           grams=grams, fisher_stats=stats)
+    assert reused.allocation["ranks"] == direct.allocation["ranks"]
+    assert all(torch.equal(a, b) for fa, fb in zip(direct.factors, reused.factors) for a, b in zip(fa.A_k, fb.A_k))
