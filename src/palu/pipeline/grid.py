@@ -387,12 +387,22 @@ class Grid:
         return out
 
     # ---- paths ---------------------------------------------------------------------------------
-    def metrics(self, run: str) -> list[str]:
+    def metrics(self, run: str, corpora: list[str] | None = None) -> list[str]:
         ev = self.c["eval"]
         return [str(naming.metrics_path(self.results, self.model, run, corpus, ev["seqlen"],
                                         ev.get("max_tokens"), self.dtype,
                                         ev.get("calibration_fraction", 0.3), ev.get("bos", "auto")))
-                for corpus in ev["corpora"]]
+                for corpus in corpora or ev["corpora"]]
+
+    def table_corpora(self, table: str) -> list[str]:
+        """The corpora a table evaluates on: its own `corpora:` (a subset of eval.corpora), else all."""
+        own = (self.c.get(table) or {}).get("corpora") if isinstance(self.c.get(table), dict) else None
+        if own is None:
+            return list(self.c["eval"]["corpora"])
+        stray = [c for c in own if c not in self.c["eval"]["corpora"]]
+        if stray:
+            raise ValueError(f"grid {table}.corpora {stray} are not in eval.corpora {self.c['eval']['corpora']}")
+        return list(own)
 
     def evaluation_pattern(self) -> str:
         """The evaluate rule's output, with {run} {corpus} {seqlen} {tokens} wildcards."""
@@ -402,7 +412,8 @@ class Grid:
                                        ev.get("bos", "auto")))
 
     def table_inputs(self, table: str) -> list[str]:
-        return [path for run in self.table_runs(table) for path in self.metrics(run)]
+        corpora = self.table_corpora(table)
+        return [path for run in self.table_runs(table) for path in self.metrics(run, corpora)]
 
     def ranks_file(self, spec: PaluSpec) -> str:
         return str(naming.ranks_path(self.work, self.model, self.ctag, self.ftag, spec.rank_method,
