@@ -19,6 +19,8 @@ if config.get("longcontext"):
             log("longcontext", "{run}/{suite}"),
         benchmark:
             bench("longcontext", "{run}/{suite}")
+        # the longest per-run jobs start first, so the run does not end on one of them alone
+        priority: 10
         threads: JOB_THREADS
         params:
             method=lambda w: GRID.run_overrides(w.run),

@@ -14,6 +14,8 @@ if config.get("zeroshot"):
             log("zeroshot", "{run}"),
         benchmark:
             bench("zeroshot", "{run}")
+        # the longest per-run jobs start first, so the run does not end on one of them alone
+        priority: 10
         threads: JOB_THREADS
         params:
             method=lambda w: GRID.run_overrides(w.run),
