@@ -24,13 +24,35 @@ from .decompose.ranks import allocate
 from .models.adapters import geometry_of
 
 
+def _text_of(corpus: str, text: str | None, path: str | None, part: str) -> str:
+    if text is not None:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text= must be a non-empty string (your own calibration text)")
+        return text
+    return getattr(load_corpus(corpus, path=path), part)
+
+
 def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16, seqlen: int = 1024,
-                     seed: int = 0, path: str | None = None, bos: str = "auto") -> torch.Tensor:
-    """Seeded random windows (samples, seqlen) from the calibration part of a corpus, each
-    starting with BOS where the model's tokenizer adds one (`bos`: auto | always | never)."""
-    text = load_corpus(corpus, path=path).calibration_text
-    return calibration_windows(tokenize(tokenizer, text), samples, seqlen, seed,
-                               bos_token_for(tokenizer, bos))
+                     seed: int = 0, path: str | None = None, bos: str = "auto",
+                     text: str | None = None) -> torch.Tensor:
+    """Seeded random windows (samples, seqlen) from the calibration part of a corpus, or from
+    your own `text` (then `corpus` is ignored), each starting with BOS where the model's tokenizer
+    adds one (`bos`: auto | always | never)."""
+    return calibration_windows(tokenize(tokenizer, _text_of(corpus, text, path, "calibration_text")),
+                               samples, seqlen, seed, bos_token_for(tokenizer, bos))
+
+
+# The one default for the Fisher windows, the pipeline's too (conf/fisher/default.yaml, checked
+# equal by tests/unit/test_library_api.py): other windows than the Gram's, from the same text.
+FISHER_DEFAULTS = {"samples": 8, "seqlen": 2048, "seed": 1}
+
+
+def fisher_data(tokenizer, corpus: str = "wiki_standin", samples: int = FISHER_DEFAULTS["samples"],
+                seqlen: int = FISHER_DEFAULTS["seqlen"], seed: int = FISHER_DEFAULTS["seed"],
+                path: str | None = None, bos: str = "auto", text: str | None = None) -> torch.Tensor:
+    """The windows the Fisher rank methods accumulate squared gradients over: the calibration
+    part of `corpus` (or `text`) at another seed than the Gram windows, as the pipeline draws them."""
+    return calibration_data(tokenizer, corpus, samples, seqlen, seed, path, bos, text)
 
 
 @dataclass
@@ -70,7 +92,11 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
              model_id: str = "unknown", progress: bool = True, rotation: str = "none",
              rotation_seed: int = 0, grams: torch.Tensor | None = None,
              fisher_stats: dict | None = None) -> CompressionResult:
-    """Compress `model` in place and return what is needed to save or inspect the result.
+    """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
+    `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
+    the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
+    (fisher, fisher_uniform, fisher_sqrt, error_aware) needs `fisher_windows` (`fisher_data`,
+    the pipeline's default) or `fisher_stats`; there is no fallback to the Gram windows.
     `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
     the same without quantisation, the latents' outliers are spread for a quantised cache.
     A sweep over settings passes the statistics once computed instead of recollecting them:
@@ -86,10 +112,11 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     if rank_method != "uniform":
         stats = fisher_stats
         if stats is None:
-            windows = fisher_windows if fisher_windows is not None else calibration
-            if windows is None:
-                raise ValueError(f"rank_method={rank_method!r} needs Fisher windows or fisher_stats")
-            stats = collect_fisher(model, windows, progress)
+            if fisher_windows is None:
+                raise ValueError(f"rank_method={rank_method!r} needs fisher_windows= (e.g. "
+                                 "palu.fisher_data(tokenizer), the pipeline's default windows) or "
+                                 "fisher_stats=; the Gram windows are not reused silently")
+            stats = collect_fisher(model, fisher_windows, progress)
         fisher = stats["output_fisher" if rank_method == "error_aware" else "fisher"]
     if rank_method == "error_aware":
         if grams is None:

@@ -76,7 +76,7 @@ def test_compress_with_error_aware_ranks_meets_the_budget():
     model = tiny_llama(0).double()
     calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
     result = palu.compress(model, calib, kept_ratio=0.5, group_size=1, rank_method="error_aware",
-                           multiple=2, progress=False)
+                           multiple=2, progress=False, fisher_windows=calib)
     assert result.allocation["method"] == "error_aware" and result.allocation["kept_ratio_realised"] == 0.5
     ranks = [r["rank"] for r in result.allocation["ranks"]]
     assert sum(ranks) == result.allocation["latent_size"] and len(set(ranks)) > 1
@@ -91,7 +91,8 @@ def test_compress_reuses_precomputed_statistics_bit_for_bit():
     from tiny import tiny_llama
     base = tiny_llama(0).double()
     calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
-    direct = palu.compress(copy.deepcopy(base), calib, 0.5, 1, "error_aware", multiple=2, progress=False)
+    direct = palu.compress(copy.deepcopy(base), calib, 0.5, 1, "error_aware", multiple=2, progress=False,
+                           fisher_windows=calib)
     grams = collect_grams(base, calib, progress=False)["gram"]
     stats = collect_fisher(base, calib, progress=False)
     reused = palu.compress(copy.deepcopy(base), None, 0.5, 1, "error_aware", multiple=2, progress=False,

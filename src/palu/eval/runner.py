@@ -23,14 +23,45 @@ def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int 
     auto | always | never, whether each window starts with the BOS token (see data/windows.py)."""
     check_seqlen(model.config, seqlen)
     data = load_corpus(corpus, path=path, calibration_fraction=calibration_fraction)
-    bos_id = bos_token_for(tokenizer, bos)
-    tokens = tokenize(tokenizer, data.evaluation_text)
-    windows = evaluation_windows(tokens, seqlen, max_tokens, bos_id)
+    result = evaluate_text(model, tokenizer, text=data.evaluation_text, seqlen=seqlen,
+                           max_tokens=max_tokens, method=method, bos=bos, progress=progress,
+                           interval=False)
+    return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin}
+
+
+def evaluate_text(model, tokenizer=None, text: str | None = None, windows=None, seqlen: int = 2048,
+                  max_tokens: int | None = None, method=None, bos: str = "auto",
+                  progress: bool = True, interval: bool = True) -> dict:
+    """Perplexity of your own `text` (cut into non-overlapping `seqlen` windows, as
+    `evaluate_corpus` cuts a corpus) or of ready token `windows` (n, T), through `method`'s cache
+    (None: no cache). With `interval`, `ppl_lo` / `ppl_hi` are its 95% block-bootstrap interval;
+    `palu.eval.stats.ppl_difference` on two results' `block_nll` compares two models pairedly."""
+    if (text is None) == (windows is None):
+        raise ValueError("evaluate_text takes exactly one of text= or windows=")
+    bos_id = None
+    if windows is None:
+        if tokenizer is None:
+            raise ValueError("evaluate_text(text=...) needs the tokenizer")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("text= must be a non-empty string")
+        check_seqlen(model.config, seqlen)
+        bos_id = bos_token_for(tokenizer, bos)
+        windows = evaluation_windows(tokenize(tokenizer, text), seqlen, max_tokens, bos_id)
+    else:
+        import torch
+        windows = torch.as_tensor(windows)
+        if windows.ndim != 2 or windows.shape[1] < 2 or windows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"windows= must be integer token ids of shape (n, T >= 2), got "
+                             f"{tuple(windows.shape)} {windows.dtype}")
+        check_seqlen(model.config, windows.shape[1])
     make_cache = None if method is None else (lambda: method.make_cache(model))
     result = perplexity(model, windows, progress=progress, make_cache=make_cache,
                         cache_nbytes=None if method is None else method.cache_nbytes)
     if "cache_nbytes" in result:   # bytes of one window's real cache (batch 1, seqlen tokens)
         elem = next(model.parameters()).element_size()
         result.update(bytes_summary(result.pop("cache_nbytes"), elem, model.config, windows.shape[1]))
-    return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin,
-            "seqlen": seqlen, "tokens": int(windows.numel()), "bos": bos, "bos_token_id": bos_id}
+    if interval and len(result["block_nll"]) >= 2:
+        from .stats import ppl_interval
+        result["ppl_lo"], result["ppl_hi"] = ppl_interval(result["block_nll"], result["block_tokens"])
+    return {**result, "seqlen": int(windows.shape[1]), "tokens": int(windows.numel()), "bos": bos,
+            "bos_token_id": bos_id}
