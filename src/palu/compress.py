@@ -19,7 +19,7 @@ from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
 from .decompose.spectra import whitened_spectra
-from .decompose.factors import decompose_model
+from .decompose.factors import NEEDS_GRAM, decompose_model
 from .decompose.ranks import allocate
 from .models.adapters import geometry_of
 
@@ -104,9 +104,9 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     windows)` (both of the *unmodified* model; `calibration` may then be None)."""
     geom = geometry_of(model.config)
     base_hash = source_hash(model)
-    if decomposition == "whitened" and grams is None:
+    if decomposition in NEEDS_GRAM and grams is None:
         if calibration is None:
-            raise ValueError("whitened decomposition needs calibration windows or precomputed grams")
+            raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
     fisher, spectra = None, None
     if rank_method != "uniform":

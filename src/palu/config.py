@@ -64,7 +64,7 @@ class PaluConfig:
     kept_ratio: float = 0.5             # latent size / original K+V size ("Palu-50%" = 0.5)
     group_size: int = 1                 # KV heads per factorisation: 1 = M-LRD, all = J-LRD
     rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt
-    decomposition: str = "whitened"     # whitened | plain
+    decomposition: str = "whitened"     # whitened | plain | attention (output-weighted)
     rank_multiple: int = 8
     fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)
     rotation: str = "none"              # latent rotation fused into the factors: none | hadamard | random_orthogonal

@@ -86,3 +86,16 @@ def test_grids_parse():
         assert grid.rank_search_specs() and grid.common_overrides()
     with pytest.raises(ValueError, match="unknown grid keys"):
         Grid({"model": "x", "calibration": {}, "fisher": {}, "typo": 1})
+
+
+def test_the_factors_ablation_grid(monkeypatch):
+    from palu.pipeline.grid import Grid
+    grid = Grid.load(Path(CONF_DIR) / "grid" / "default.yaml")
+    monkeypatch.setattr(Grid, "kv_heads", lambda self: 3)
+    specs = grid.factors_specs()
+    assert {(s.decomposition, s.group_size) for s in specs} == {
+        ("whitened", 1), ("attention", 1), ("whitened", 3), ("attention", 3)}
+    assert "factors" in grid.tables() and len(grid.table_runs("factors")) == 5
+    bad = Grid({**grid.c, "factors": {**grid.c["factors"], "decompositions": ["whitened", "attenton"]}})
+    with pytest.raises(ValueError, match="attenton"):
+        bad.factors_specs()

@@ -21,6 +21,8 @@ TITLES = {
     "hadamard": "Latent rotation fused into the factors (none / Walsh-Hadamard / random orthogonal) x latent bits",
     "quantization": "Palu + low-bit latents vs KV-cache quantisation (Atom, KIVI, TurboQuant, KVQuant) "
                     "at the bytes each cache really stores",
+    "factors": "Factor objective: whitened SVD vs attention-weighted (values through W_o, keys by "
+               "RoPE-averaged query energy), the same uniform ranks",
 }
 NEED_BYTES = {"quantization"}   # tables that compare methods at measured bytes
 FIGURES = {"rank_allocation": rank_allocation_from_file, "ppl_vs_bytes": ppl_vs_bytes_figure}

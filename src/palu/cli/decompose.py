@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from ..compress import build_manifest
 from ..config import to_dict
 from ..decompose.checkpoint import save_compressed
-from ..decompose.factors import decompose_model
+from ..decompose.factors import NEEDS_GRAM, decompose_model
 from ..io import read_json, sha256_file
 from ..models.loading import load_model
 from ..pipeline import naming
@@ -22,10 +22,10 @@ def run(cfg) -> str:
     if allocation.get("group_size") != p.group_size or allocation.get("method") != p.rank_method:
         raise ValueError(f"rank file {ranks} does not match palu.group_size / rank_method")
     grams, used = None, {**model_input(cfg), "ranks": str(ranks)}
-    if p.decomposition == "whitened":
+    if p.decomposition in NEEDS_GRAM:
         gpath = naming.gram_path_of(cfg)
         if not gpath.is_file():
-            raise FileNotFoundError(f"whitened SVD needs the Gram matrices at {gpath}; "
+            raise FileNotFoundError(f"{p.decomposition} SVD needs the Gram matrices at {gpath}; "
                                     "run `python -m palu.cli.calibrate` first")
         grams = load_file(str(gpath))["gram"]
         used["gram"] = str(gpath)

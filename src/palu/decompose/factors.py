@@ -9,9 +9,13 @@ from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 from .ranks import ranks_table
 from .rotation import ROTATIONS, rotate_layer
+from .metrics import block_metric, key_metrics, value_metrics
 from .svd import factorize, whitening
 
-DECOMPOSITIONS = ("whitened", "plain")
+# whitened: SVD-LLM's input-whitened SVD; plain: the SVD of W; attention: whitened and weighed on
+# the output side by what attention does with each block (decompose/metrics.py)
+DECOMPOSITIONS = ("whitened", "plain", "attention")
+NEEDS_GRAM = ("whitened", "attention")
 
 
 def stored_dtype(model) -> torch.dtype:
@@ -62,8 +66,8 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
         raise ValueError(f"decomposition {method!r} is not one of {DECOMPOSITIONS}")
     if rotation not in ROTATIONS:
         raise ValueError(f"rotation={rotation!r} is not one of {list(ROTATIONS)}")
-    if method == "whitened" and grams is None:
-        raise ValueError("whitened decomposition needs calibration Gram matrices")
+    if method in NEEDS_GRAM and grams is None:
+        raise ValueError(f"{method} decomposition needs calibration Gram matrices")
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
     s = allocation["group_size"]
     n_groups = geom.check_group_size(s)
@@ -74,8 +78,13 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     dtype = stored_dtype(model)
     layers = adapter.layers(model)
     for l, layer in enumerate(steps(layers, "decompose", "layers", progress)):
-        _, k, v, _ = adapter.projections(adapter.attention(layer))
-        white = whitening(grams[l]) if method == "whitened" else None
+        q, k, v, o = adapter.projections(adapter.attention(layer))
+        white = whitening(grams[l]) if method in NEEDS_GRAM else None
+        metrics = None
+        if method == "attention":
+            metrics = {"k": key_metrics(q.weight.cpu(), grams[l], geom.num_kv_heads, geom.head_dim,
+                                        geom.n_rep, geom.rope),
+                       "v": value_metrics(o.weight.cpu(), geom.num_kv_heads, geom.head_dim, geom.n_rep)}
         report["whitening"].append({"layer": l, "method": white.method if white else "none",
                                     "damping": white.damping if white else 0.0})
         lf = LayerFactors()
@@ -83,7 +92,8 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
             W = proj.weight.double().cpu()
             for g in range(n_groups):
                 Wg = W[g * rows:(g + 1) * rows]
-                A, B = factorize(Wg, ranks[(l, kind, g)], white)
+                M = None if metrics is None else block_metric(metrics[kind], g, s)
+                A, B = factorize(Wg, ranks[(l, kind, g)], white, M)
                 getattr(lf, f"A_{kind}").append(A)
                 getattr(lf, f"B_{kind}").append(B)
                 if grams is not None:

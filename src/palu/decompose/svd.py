@@ -38,18 +38,25 @@ def whitening(gram: torch.Tensor, max_tries: int = 6) -> Whitening:
     return Whitening(Q * evals.sqrt(), (Q / evals.sqrt()).T, "eigen", floor / scale)
 
 
-def factorize(W: torch.Tensor, rank: int, white: Whitening | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-`rank` factors (A, B) of W (out x in); whitened when `white` is given."""
+def factorize(W: torch.Tensor, rank: int, white: Whitening | None = None,
+              out_metric: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-`rank` factors (A, B) of W (out x in); whitened when `white` is given. `out_metric`
+    M (out x out, SPD) weighs the error on the output side too: the factors then minimise
+    ‖L (W - BA) S‖ with LᵀL = M (decompose/metrics.py); None is the identity."""
     out_dim, in_dim = W.shape
     if not 0 < rank <= min(out_dim, in_dim):
         raise ValueError(f"rank={rank} outside 1..{min(out_dim, in_dim)} for a {out_dim}x{in_dim} matrix")
     W = W.double()
     target = W @ white.S if white is not None else W
+    if out_metric is not None:
+        L = torch.linalg.cholesky(out_metric.double()).T          # upper: LᵀL = M
+        target = L @ target
     U, sigma, Vh = torch.linalg.svd(target, full_matrices=False)
     root = sigma[:rank].sqrt()
     B = U[:, :rank] * root                          # (out, r)
     A = root[:, None] * Vh[:rank]                   # (r, in)
+    if out_metric is not None:
+        B = torch.linalg.solve_triangular(L, B, upper=True)
     if white is not None:
         A = A @ white.S_inv
     return A, B

@@ -21,8 +21,8 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization", "zeroshot", "longcontext", "job_threads"}
-TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization")
+         "memory", "quantization", "zeroshot", "longcontext", "job_threads", "factors"}
+TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization", "factors")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,20 @@ class Grid:
         r = self.c["rank_search"]
         return [PaluSpec(r["decomposition"], m, float(k), int(r["group_size"]))
                 for k in r["kept_ratios"] for m in r["methods"]]
+
+    def factors_specs(self) -> list[PaluSpec]:
+        """The factor-objective ablation: each decomposition (whitened vs attention) at each kept
+        ratio and group size, the same ranks."""
+        f = self.c.get("factors")
+        if not f:
+            return []
+        from ..decompose.factors import DECOMPOSITIONS
+        stray = [d for d in f["decompositions"] if d not in DECOMPOSITIONS]
+        if stray:
+            raise ValueError(f"grid factors.decompositions {stray} are not among {list(DECOMPOSITIONS)}")
+        groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in f["group_sizes"]]
+        return [PaluSpec(d, f["rank_method"], float(k), g)
+                for g in groups for k in f["kept_ratios"] for d in f["decompositions"]]
 
     def latent_bits_specs(self) -> list[PaluSpec]:
         q = self.c.get("latent_bits")
@@ -349,7 +363,7 @@ class Grid:
             return []
         return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
                 "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs,
-                "quantization": self.quantization_palu_specs}[table]()
+                "quantization": self.quantization_palu_specs, "factors": self.factors_specs}[table]()
 
     def table_runs(self, table: str) -> list[str]:
         """Every run of a table by name: FP16, its Palu runs, and its other methods."""
