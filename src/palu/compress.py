@@ -18,7 +18,8 @@ from .calib.gram import collect_grams
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
-from .decompose.spectra import whitened_spectra
+from .decompose.probe import PROBE_WINDOWS, probe_key_weight
+from .decompose.spectra import spectra_of, whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
 from .decompose.ranks import allocate
 from .models.adapters import geometry_of
@@ -91,13 +92,16 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
              fisher_windows: torch.Tensor | None = None, fuse: bool = True,
              model_id: str = "unknown", progress: bool = True, rotation: str = "none",
              rotation_seed: int = 0, grams: torch.Tensor | None = None,
-             fisher_stats: dict | None = None) -> CompressionResult:
+             fisher_stats: dict | None = None, key_weight: float | str = "auto",
+             probe_windows: torch.Tensor | None = None) -> CompressionResult:
     """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
     `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
     the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
     (fisher, fisher_uniform, fisher_sqrt, error_aware) needs `fisher_windows` (`fisher_data`,
     the pipeline's default) or `fisher_stats`; there is no fallback to the Gram windows.
-    `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
+    `key_weight` (error_aware only): the factor on the keys' weights, or "auto" to probe it by the
+    LM loss on `probe_windows` (default: the first `fisher_windows`, as the pipeline does;
+    decompose/probe.py). `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
     the same without quantisation, the latents' outliers are spread for a quantised cache.
     A sweep over settings passes the statistics once computed instead of recollecting them:
     `grams` = `collect_grams(model, calibration)["gram"]`, `fisher_stats` = `collect_fisher(model,
@@ -108,7 +112,7 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         if calibration is None:
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
-    fisher, spectra = None, None
+    fisher, spectra, probe = None, None, None
     if rank_method != "uniform":
         stats = fisher_stats
         if stats is None:
@@ -122,8 +126,21 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         if grams is None:
             raise ValueError("rank_method='error_aware' needs decomposition='whitened' (its error "
                              "profiles are the whitened spectra)")
-        spectra = whitened_spectra(model, grams, group_size)
-    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra)
+        svds = whitened_svds(model, grams, group_size)
+        spectra = spectra_of(svds)
+        if key_weight == "auto":
+            windows = probe_windows if probe_windows is not None else (
+                None if fisher_windows is None else fisher_windows[:PROBE_WINDOWS])
+            if windows is None:
+                raise ValueError("key_weight='auto' probes on held-out windows: pass probe_windows= "
+                                 "(or fisher_windows=), or a numeric key_weight")
+            key_weight, probe = probe_key_weight(model, svds, fisher, kept_ratio, group_size, multiple,
+                                                 windows)
+    extra = {"key_weight": key_weight} if rank_method == "error_aware" else {}
+    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra, **extra)
+    if probe is not None:
+        allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
+                               "candidates": probe}
     factors, report = decompose_model(model, allocation, grams, decomposition, progress,
                                       rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},

@@ -96,6 +96,6 @@ def test_compress_reuses_precomputed_statistics_bit_for_bit():
     grams = collect_grams(base, calib, progress=False)["gram"]
     stats = collect_fisher(base, calib, progress=False)
     reused = palu.compress(copy.deepcopy(base), None, 0.5, 1, "error_aware", multiple=2, progress=False,
-                           grams=grams, fisher_stats=stats)
+                           grams=grams, fisher_stats=stats, probe_windows=calib[:1])
     assert reused.allocation["ranks"] == direct.allocation["ranks"]
     assert all(torch.equal(a, b) for fa, fb in zip(direct.factors, reused.factors) for a, b in zip(fa.A_k, fb.A_k))

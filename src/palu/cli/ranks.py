@@ -8,7 +8,7 @@ from ..io import write_json
 from ..models.adapters import geometry_of
 from ..models.loading import load_config
 from ..pipeline import naming
-from .common import entry_point, log, model_path, tracked
+from .common import calibration_windows_of, entry_point, log, model_path, tracked
 
 
 def run(cfg) -> dict:
@@ -37,13 +37,27 @@ def run(cfg) -> dict:
         used["gram"] = str(gram)
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
+        key_weight, probe = 1.0, None
         if p.rank_method == "error_aware":
-            from ..decompose.spectra import whitened_spectra
+            from ..decompose.probe import PROBE_WINDOWS, probe_key_weight
+            from ..decompose.spectra import spectra_of, whitened_svds
             from ..models.loading import load_model
-            model, _ = load_model(model_path(cfg), dtype="float32", device="cpu")
-            spectra = whitened_spectra(model, load_file(used["gram"])["gram"], p.group_size)
+            model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
+            svds = whitened_svds(model, load_file(used["gram"])["gram"], p.group_size)
+            spectra = spectra_of(svds)
+            # the probe scores the first Fisher windows: text the Gram never saw
+            f = cfg.fisher
+            windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
+            key_weight, probe = probe_key_weight(model, svds, fisher, p.kept_ratio, p.group_size,
+                                                 p.rank_multiple, windows)
+            for row in probe:
+                log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
+                         row["key_weight"], row["key_share"], row["ppl"])
         allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher,
-                              spectra)
+                              spectra, key_weight=key_weight)
+        if probe is not None:
+            allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
+                                   "candidates": probe}
         write_json(out, allocation)
         wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
                     "kept_ratio_target": p.kept_ratio})

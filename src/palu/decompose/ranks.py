@@ -86,10 +86,11 @@ def water_fill(weights: list[float], caps: list[int], total: int, floor: int = 1
 
 def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "uniform",
              multiple: int = 8, fisher: torch.Tensor | None = None,
-             spectra: dict | None = None) -> dict:
+             spectra: dict | None = None, key_weight: float = 1.0) -> dict:
     """Ranks for every slot; `fisher` is (layers, 2, kv_heads) importance for methods using it
     (for `error_aware`: the output Fisher), `spectra` {Slot: sigma^2 descending} its error
-    profiles (`decompose.spectra.whitened_spectra`)."""
+    profiles (`decompose.spectra.whitened_spectra`), `key_weight` the factor on the keys'
+    weights in `error_aware` (decompose/probe.py chooses it)."""
     if not 0 < kept_ratio <= 1:
         raise ValueError(f"kept_ratio={kept_ratio} must lie in (0, 1]")
     if method not in RANK_METHODS:
@@ -118,13 +119,18 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         units = water_fill([_slot_importance(fisher, s, group_size) ** power for s in all_slots],
                            [cap] * len(all_slots), budget_units)
     elif method == "error_aware":
-        units = greedy_by_gain([_slot_importance(fisher, s, group_size) for s in all_slots],
+        if not (isinstance(key_weight, (int, float)) and math.isfinite(key_weight) and key_weight > 0):
+            raise ValueError(f"key_weight={key_weight!r} must be a positive number")
+        units = greedy_by_gain([_slot_importance(fisher, s, group_size) * (key_weight if s.kind == "k" else 1.0)
+                                for s in all_slots],
                                [spectra[s] for s in all_slots], multiple, cap, budget_units)
     else:
         units = _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units)
     ranks = [u * multiple for u in units]
     total = sum(ranks)
+    extra = {"key_weight": float(key_weight)} if method == "error_aware" else {}
     return {
+        **extra,
         "method": method, "kept_ratio_target": kept_ratio, "group_size": group_size,
         "multiple": multiple, "original_size": original, "latent_size": total,
         "kept_ratio_realised": total / original,

@@ -13,19 +13,31 @@ from .svd import whitening
 
 
 @torch.no_grad()
-def whitened_spectra(model, grams: torch.Tensor, group_size: int) -> dict[Slot, torch.Tensor]:
+def whitened_svds(model, grams: torch.Tensor, group_size: int) -> dict[Slot, tuple]:
+    """Per block (U, sigma, V) with W_g = U diag(sigma) V exactly and U diag(sigma[:r]) V[:r] its
+    best rank-r factorisation for the calibration inputs (V = Vh S^-1, the whitened SVD)."""
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
     rows = group_size * geom.head_dim
     out = {}
     for l, layer in enumerate(adapter.layers(model)):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
-        S = whitening(grams[l]).S
+        white = whitening(grams[l])
         for kind, proj in (("k", k), ("v", v)):
             W = proj.weight.double().cpu()
             for g in range(geom.num_kv_heads // group_size):
-                sigma = torch.linalg.svdvals(W[g * rows:(g + 1) * rows] @ S)
-                out[Slot(l, kind, g)] = sigma.pow(2)
+                U, sigma, Vh = torch.linalg.svd(W[g * rows:(g + 1) * rows] @ white.S, full_matrices=False)
+                out[Slot(l, kind, g)] = (U, sigma, Vh @ white.S_inv)
     missing = [s for s in slots(geom, group_size) if s not in out]
     if missing:
         raise RuntimeError(f"no spectrum for blocks {missing[:3]}")
     return out
+
+
+def spectra_of(svds: dict) -> dict[Slot, torch.Tensor]:
+    return {slot: sigma.pow(2) for slot, (_, sigma, _) in svds.items()}
+
+
+@torch.no_grad()
+def whitened_spectra(model, grams: torch.Tensor, group_size: int) -> dict[Slot, torch.Tensor]:
+    """{Slot: sigma^2 descending} of every block (`whitened_svds`)."""
+    return spectra_of(whitened_svds(model, grams, group_size))
