@@ -94,8 +94,10 @@ class PaluAttention(nn.Module):
 
     def _fuse_values(self, o: nn.Linear, B_v, v_bias, cast) -> None:
         hd = self.geom.head_dim
-        Wo = o.weight.double()
-        bias = o.bias.double() if o.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64,
+        # detached: a fused buffer is a constant, not a graph back to o_proj's weight (training
+        # anything else, e.g. LoRA recovery, would otherwise backpropagate into it every step)
+        Wo = o.weight.detach().double()
+        bias = o.bias.detach().double() if o.bias is not None else torch.zeros(Wo.shape[0], dtype=torch.float64,
                                                                          device=Wo.device)
         groups = []
         for g in range(self.n_groups):
@@ -105,7 +107,7 @@ class PaluAttention(nn.Module):
             if v_bias is not None:  # Σ_t p_t = 1, so the value bias passes through attention as is
                 for i in self._query_heads(g):
                     kv = i // self.geom.n_rep
-                    bias = bias + Wo[:, i * hd:(i + 1) * hd] @ v_bias.double()[kv * hd:(kv + 1) * hd]
+                    bias = bias + Wo[:, i * hd:(i + 1) * hd] @ v_bias.detach().double()[kv * hd:(kv + 1) * hd]
         # all groups side by side, (hidden, Σ_g heads_g * r_g): the decode kernels' latent outputs
         # (B, H, r) are in this order, so one matmul maps them (one per group cost 32 launches
         # per layer at M-LRD); `_wo(g)` is group g's column block
@@ -115,8 +117,8 @@ class PaluAttention(nn.Module):
     def _fuse_keys(self, q: nn.Linear, B_k, cast) -> None:
         # q·(B h + b) = (Bᵀq)·h + q·b and q·b is the same for every key: softmax drops it.
         hd = self.geom.head_dim
-        Wq = q.weight.double()
-        bq = q.bias.double() if q.bias is not None else None
+        Wq = q.weight.detach().double()
+        bq = q.bias.detach().double() if q.bias is not None else None
         weights, biases = [], []
         for g in range(self.n_groups):
             Bt = [B_k[g][self._local_kv(i, g)].to(Wq).T for i in self._query_heads(g)]  # (r, hd)
