@@ -72,6 +72,19 @@ class PaluConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """LoRA recovery of a Palu checkpoint (step recover, palu.recover.lora) on calibration text."""
+    rank: int = 8                       # inner rank of each latent projection's delta
+    steps: int = 16                     # optimiser steps, one window each
+    lr: float = 0.001
+    init_scale: float = 0.01
+    samples: int = 16                   # windows drawn from calibration.corpus (cycled)
+    seqlen: int = 256
+    seed: int = 3                       # other windows than the Gram's (0) and the Fisher's (1)
+    checkpoint: Optional[str] = None    # the Palu checkpoint to recover
+
+
+@dataclass
 class KVQuantConfig:
     """Fitting KVQuant's codebooks (step fit_kvquant) on windows of the calibration corpus."""
     bits: int = 3
@@ -178,6 +191,7 @@ class Config:
     palu: PaluConfig = field(default_factory=PaluConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     kvquant: KVQuantConfig = field(default_factory=KVQuantConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     longcontext: LongContextConfig = field(default_factory=LongContextConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -206,7 +220,8 @@ _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher
              "kvquant.tokens_per_window", "longcontext.needles.per_cell",
              "longcontext.needles.max_new_tokens", "longcontext.qasper.max_length",
              "longcontext.qasper.max_new_tokens", "longcontext.longbench.max_length",
-             "longcontext.ruler.max_length")
+             "longcontext.ruler.max_length", "recovery.rank", "recovery.steps", "recovery.samples",
+             "recovery.seqlen")
 
 
 def validate(cfg: DictConfig | dict) -> DictConfig:

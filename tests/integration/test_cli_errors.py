@@ -48,6 +48,10 @@ def _run(step, *overrides, tmp_path):
      "missing LongBench files in /nonexistent/lb: narrativeqa.jsonl"),
     ("longcontext", ["longcontext.suite=qasper", "longcontext.qasper.max_length=9000"],
      "prompts of up to 9000 tokens (with the answer) exceed the model's maximum context (8192"),
+    # LoRA recovery (issue 21.4): no checkpoint, a missing one, zero steps
+    ("recover", ["recovery.rank=8"], "recovery.checkpoint=<Palu checkpoint folder> is required"),
+    ("recover", ["recovery.checkpoint=/nonexistent"], "is not a checkpoint folder"),
+    ("recover", ["recovery.steps=0"], "recovery.steps=0 must be a positive integer"),
 ])
 def test_bad_input_fails_early_without_output(prepared_model, tmp_path, step, overrides, message):
     if "model.id=" in overrides[0]:

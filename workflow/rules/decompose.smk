@@ -62,3 +62,28 @@ rule decompose:
         palu=lambda w: GRID.decompose_overrides(spec_of(w)),
     shell:
         "{PY} -m palu.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
+
+
+# LoRA recovery of a checkpoint (grid `recovery:`): the same ranks, A refined on calibration text
+if config.get("recovery"):
+    rule recover:
+        input:
+            model=MODEL_DIR,
+            base=lambda w: GRID.checkpoint(spec_of(w)),
+        wildcard_constraints:
+            ftag=f"no-fisher|{FTAG}",
+            rec=re.escape(GRID.recovery_tag()),
+        output:
+            directory(str(naming.checkpoint_dir(W, M, CTAG, "{ftag}", naming.palu_tag(
+                "{decomp}", "{method}", "{kept}", "{group}", rotation="{rot}", recovery="{rec}"),
+                MULT, "{method}"))),
+        log:
+            log("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}"),
+        benchmark:
+            bench("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}")
+        threads: JOB_THREADS
+        params:
+            recovery=GRID.recovery_overrides(),
+        shell:
+            "{PY} -m palu.cli.recover {COMMON} {params.recovery} recovery.checkpoint={input.base} "
+            "out={output} progress=false > {log} 2>&1"

@@ -23,6 +23,8 @@ TITLES = {
                     "at the bytes each cache really stores",
     "factors": "Factor objective: whitened SVD vs attention-weighted (values through W_o, keys by "
                "RoPE-averaged query energy), the same uniform ranks",
+    "recovery": "LoRA recovery: each checkpoint before and after its latent projections are refined "
+                "towards the uncompressed model (same ranks, same cache bytes)",
 }
 NEED_BYTES = {"quantization"}   # tables that compare methods at measured bytes
 FIGURES = {"rank_allocation": rank_allocation_from_file, "ppl_vs_bytes": ppl_vs_bytes_figure}

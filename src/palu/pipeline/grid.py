@@ -21,8 +21,10 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization", "zeroshot", "longcontext", "job_threads", "factors"}
-TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization", "factors")
+         "memory", "quantization", "zeroshot", "longcontext", "job_threads", "factors",
+         "recovery"}
+TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization", "factors",
+          "recovery")
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,17 @@ class PaluSpec:
     group_size: int
     bits: int = 16
     rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
+    recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
 
     @property
     def tag(self) -> str:
         return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
-                               self.group_size, self.bits, rotation_tag(self.rotation))
+                               self.group_size, self.bits, rotation_tag(self.rotation), self.recovery)
+
+    def base(self) -> "PaluSpec":
+        """The same run without recovery (the checkpoint recovery starts from)."""
+        return PaluSpec(self.decomposition, self.rank_method, self.kept_ratio, self.group_size,
+                        self.bits, self.rotation)
 
     def overrides(self) -> list[str]:
         return [f"palu.decomposition={self.decomposition}", f"palu.rank_method={self.rank_method}",
@@ -145,6 +153,38 @@ class Grid:
         groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in f["group_sizes"]]
         return [PaluSpec(d, f["rank_method"], float(k), g)
                 for g in groups for k in f["kept_ratios"] for d in f["decompositions"]]
+
+    _RECOVERY_DEFAULTS = {"rank": 8, "steps": 16, "lr": 0.001, "init_scale": 0.01, "samples": 16,
+                          "seqlen": 256, "seed": 3}
+
+    def recovery_settings(self) -> dict:
+        r = self.c.get("recovery") or {}
+        stray = sorted(set(r) - set(self._RECOVERY_DEFAULTS) - {"runs"})
+        if stray:
+            raise ValueError(f"grid recovery has unknown keys {stray}; allowed: "
+                             f"{sorted(self._RECOVERY_DEFAULTS) + ['runs']}")
+        return {k: r.get(k, v) for k, v in self._RECOVERY_DEFAULTS.items()}
+
+    def recovery_tag(self) -> str:
+        return naming.recovery_tag(**self.recovery_settings())
+
+    def recovery_overrides(self) -> str:
+        return " ".join(f"recovery.{k}={v}" for k, v in self.recovery_settings().items())
+
+    def recovery_specs(self) -> list[PaluSpec]:
+        """Each `recovery.runs` entry (uniform ranks, whitened unless given) before and after LoRA
+        recovery."""
+        r = self.c.get("recovery")
+        if not r:
+            return []
+        tag, out = self.recovery_tag(), []
+        for p in r.get("runs", []):
+            base = PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
+                            float(p["kept_ratio"]),
+                            self.kv_heads() if p["group_size"] == "kv_heads" else int(p["group_size"]))
+            out += [base, PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size,
+                                   recovery=tag)]
+        return out
 
     def latent_bits_specs(self) -> list[PaluSpec]:
         q = self.c.get("latent_bits")
@@ -363,7 +403,8 @@ class Grid:
             return []
         return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
                 "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs,
-                "quantization": self.quantization_palu_specs, "factors": self.factors_specs}[table]()
+                "quantization": self.quantization_palu_specs, "factors": self.factors_specs,
+                "recovery": self.recovery_specs}[table]()
 
     def table_runs(self, table: str) -> list[str]:
         """Every run of a table by name: FP16, its Palu runs, and its other methods."""
@@ -435,7 +476,7 @@ class Grid:
 
     def checkpoint(self, spec: PaluSpec) -> str:
         tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size,
-                              rotation=rotation_tag(spec.rotation))
+                              rotation=rotation_tag(spec.rotation), recovery=spec.recovery)
         return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, tag,
                                          self.c["rank_multiple"], spec.rank_method))
 

@@ -54,10 +54,22 @@ def fisher_path(work: str, model: str, ctag: str, ftag: str) -> Path:
 
 
 def palu_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str,
-             bits: int | str = 16, rotation: str = "") -> str:
+             bits: int | str = 16, rotation: str = "", recovery: str = "") -> str:
     """A Palu run's method tag: its checkpoint's tag (the library's) plus the latent bit width
-    (`rotation`: a `rotation_tag`, or a wildcard pattern)."""
-    return checkpoint_tag(decomposition, rank_method, kept_ratio, group_size, rotation) + bits_tag(bits)
+    (`rotation`: a `rotation_tag`, `recovery`: a `recovery_tag`, or wildcard patterns)."""
+    return (checkpoint_tag(decomposition, rank_method, kept_ratio, group_size, rotation) + recovery
+            + bits_tag(bits))
+
+
+def recovery_tag(rank: int, steps: int, samples: int, seqlen: int, lr: float, init_scale: float,
+                 seed: int) -> str:
+    """What a LoRA-recovered checkpoint adds to its base's tag: every setting of its training."""
+    return f"-lora{rank}-s{steps}-n{samples}x{seqlen}-lr{lr:g}-i{init_scale:g}-d{seed}"
+
+
+def recovery_tag_of(cfg) -> str:
+    r = cfg.recovery
+    return recovery_tag(r.rank, r.steps, r.samples, r.seqlen, r.lr, r.init_scale, r.seed)
 
 
 def ranks_path(work: str, model: str, ctag: str, ftag: str, rank_method: str, kept_ratio: float,
