@@ -2,6 +2,7 @@
 paired differences cancel what the text makes hard for both methods, and tables show both."""
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -55,3 +56,31 @@ def test_tables_show_intervals_and_paired_differences(tmp_path):
     assert not frame.loc["same", "significant"] and math.isnan(frame.loc["fp16", "diff_vs_fp16"])
     text = to_markdown(build_table(paths), "t")
     assert "Δ" in text and "~" in text and "95% interval" in text
+
+
+def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
+    """rank_search rows against uniform at the same kept ratio and granularity (issue 21)."""
+    from palu.reporting.tables import build_table, to_markdown
+    rng = np.random.default_rng(3)
+    hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
+
+    def palu_run(method, rank_method, kept, nll):
+        path = _run(tmp_path, method, nll)
+        data = json.loads(Path(path).read_text())
+        data["metrics"].update(kept_ratio_target=kept, group_size=1, rank_method=rank_method,
+                               decomposition="whitened")
+        Path(path).write_text(json.dumps(data))
+        return path
+    paths = [_run(tmp_path, "fp16", hard),
+             palu_run("u5", "uniform", 0.5, [h + 0.3 * 128 for h in hard]),
+             palu_run("f5", "fisher", 0.5, [h + 0.1 * 128 for h in hard]),       # better than u5
+             palu_run("u3", "uniform", 0.3, [h + 0.5 * 128 for h in hard]),
+             palu_run("f3", "fisher", 0.3, [h + 0.5 * 128 + rng.normal(0, 0.5) for h in hard])]
+    frame = build_table(paths, table="rank_search").set_index("method")
+    assert frame.loc["f5", "reference"] == "u5" and frame.loc["f3", "reference"] == "u3"
+    assert frame.loc["f5", "ref_significant"] and frame.loc["f5", "ref_hi"] < 0
+    assert not frame.loc["f3", "ref_significant"]
+    assert frame.loc[["fp16", "u5", "u3"], "reference"].isna().all()
+    text = to_markdown(build_table(paths, table="rank_search"), "t")
+    assert "| f5 " in text.split("## Paired")[1] and "better" in text and "~ (tie)" in text
+    assert "## Paired" not in to_markdown(build_table(paths), "t")    # other tables: no section

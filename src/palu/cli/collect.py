@@ -73,7 +73,7 @@ def run(cfg) -> None:
             frame = WRITERS[cfg.table](inputs, cfg.out)
             _log_table(wb, cfg.table, frame, cfg.out)
         else:
-            frame = build_table(inputs, need_bytes=cfg.table in NEED_BYTES)
+            frame = build_table(inputs, need_bytes=cfg.table in NEED_BYTES, table=cfg.table)
             write_table(frame, cfg.out, TITLES[cfg.table])
             _log_table(wb, cfg.table, frame, cfg.out)
         if str(cfg.out).endswith(".png"):

@@ -137,8 +137,11 @@ class Grid:
 
     def rank_search_specs(self) -> list[PaluSpec]:
         r = self.c["rank_search"]
-        return [PaluSpec(r["decomposition"], m, float(k), int(r["group_size"]))
-                for k in r["kept_ratios"] for m in r["methods"]]
+        # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
+        sizes = r.get("group_sizes", [r.get("group_size", 1)])
+        groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in sizes]
+        return [PaluSpec(r["decomposition"], m, float(k), g)
+                for g in groups for k in r["kept_ratios"] for m in r["methods"]]
 
     def factors_specs(self) -> list[PaluSpec]:
         """The factor-objective ablation: each decomposition (whitened vs attention) at each kept

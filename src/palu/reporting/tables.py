@@ -12,7 +12,7 @@ from . import write_frame
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
            "kept_ratio_realised", "group_size", "granularity", "rank_method", "decomposition",
-           "rotation", "calibration_samples", "calibration_seqlen", "fisher_samples", "family",
+           "rotation", "recovery", "calibration_samples", "calibration_seqlen", "fisher_samples", "family",
            "kv_bits", "effective_bits", "compression_vs_fp16", "cache_bytes_fp16", "dtype", "ppl",
            "ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"]
 BYTES = ("effective_bits", "compression_vs_fp16", "cache_bytes_fp16")
@@ -40,7 +40,7 @@ def run_row(path: str | Path) -> dict:
         "group_size": m.get("group_size"),
         "granularity": granularity_name(m.get("group_size"), m.get("num_kv_heads")),
         "rank_method": m.get("rank_method", "-"), "decomposition": m.get("decomposition", "-"),
-        "rotation": m.get("rotation", "none"),
+        "rotation": m.get("rotation", "none"), "recovery": m.get("recovery", "-"),
         "calibration_samples": m.get("calibration_samples", 0),
         "calibration_seqlen": m.get("calibration_seqlen", 0),
         "fisher_samples": m.get("fisher_samples", 0),
@@ -80,9 +80,44 @@ def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFram
     return frame
 
 
-def build_table(paths: list[str], need_bytes: bool = False) -> pd.DataFrame:
+# Tables that compare variants of one setting pair each row with its reference variant:
+# table -> (column, the reference's value, the columns a row shares with its reference)
+REFERENCES = {
+    "rank_search": ("rank_method", "uniform", ["corpus", "kept_ratio_target", "group_size", "decomposition"]),
+    "factors": ("decomposition", "whitened", ["corpus", "kept_ratio_target", "group_size", "rank_method"]),
+    "recovery": ("recovery", "-", ["corpus", "kept_ratio_target", "group_size", "rank_method",
+                                   "decomposition"]),
+}
+REF_COLUMNS = ["reference", "diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]
+
+
+def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, value,
+                            match: list[str]) -> pd.DataFrame:
+    """Each row's ppl minus its reference row's (the row with `column == value` and the same
+    `match` columns) on the same token blocks, with a 95% paired interval."""
+    blocks = [_blocks(p) for p in paths]
+    frame = frame.assign(reference=None, diff_vs_ref=math.nan, ref_lo=math.nan, ref_hi=math.nan,
+                         ref_significant=None)
+    refs = frame[frame[column] == value]
+    for i in frame.index[(frame[column] != value) & (frame["method"] != "fp16")]:
+        same = refs[(refs[match] == frame.loc[i, match]).all(axis=1)]
+        if len(same) != 1:
+            continue
+        j = same.index[0]
+        (nll, tok), (ref_nll, ref_tok) = blocks[i], blocks[j]
+        if nll is None or ref_nll is None or tok != ref_tok:
+            continue
+        d = ppl_difference(nll, ref_nll, tok)
+        frame.at[i, "reference"] = frame.at[j, "method"]
+        frame.loc[i, ["diff_vs_ref", "ref_lo", "ref_hi"]] = d["diff"], d["lo"], d["hi"]
+        frame.at[i, "ref_significant"] = d["significant"]
+    return frame
+
+
+def build_table(paths: list[str], need_bytes: bool = False, table: str | None = None) -> pd.DataFrame:
     """One row per run file; `need_bytes`: every run must carry its measured cache bytes (a
-    table that compares methods at bytes refuses a run without them)."""
+    table that compares methods at bytes refuses a run without them); a `table` of REFERENCES
+    also pairs each row with its reference variant."""
     if not paths:
         raise ValueError("no run files given to build a table from")
     rows = [run_row(p) for p in paths]
@@ -91,6 +126,8 @@ def build_table(paths: list[str], need_bytes: bool = False) -> pd.DataFrame:
         if missing:
             raise ValueError(f"runs without measured cache bytes (evaluate them again): {missing}")
     frame = add_paired_differences(pd.DataFrame(rows, columns=COLUMNS[:-4]), paths)
+    if table in REFERENCES:
+        frame = add_paired_vs_reference(frame, paths, *REFERENCES[table])
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
@@ -108,6 +145,8 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
     intervals = frame["ppl_lo"].notna().any()
     if not intervals:
         shown = shown.drop(columns=["ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
+    paired = _paired_section(frame)
+    shown = shown.drop(columns=[c for c in REF_COLUMNS if c in shown])
     shown["kept_ratio_realised"] = shown["kept_ratio_realised"].map(lambda v: f"{v:.4f}")
     cells = frame.assign(cell=[_cell(r) for _, r in frame.iterrows()]) if intervals else frame
     pivot = cells.pivot_table(index=["method"], columns="corpus", values="cell" if intervals else "ppl",
@@ -123,8 +162,25 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
     return (f"# {title}\n\nPerplexity (lower is better); every number was produced by the pipeline "
             f"from the run files in results/runs/. {note}Corpora marked as stand-ins are embedded "
             f"substitutes, not the paper's corpora.\n\n"
-            f"{pivot.to_markdown(floatfmt='.3f')}\n\n## All columns\n\n"
+            f"{pivot.to_markdown(floatfmt='.3f')}\n\n{paired}## All columns\n\n"
             f"{shown.to_markdown(index=False)}\n")
+
+
+def _paired_section(frame: pd.DataFrame) -> str:
+    """Each row against its reference variant (REFERENCES): better / worse only where the 95%
+    paired interval excludes 0."""
+    if "diff_vs_ref" not in frame or frame["diff_vs_ref"].isna().all():
+        return ""
+    rows = []
+    for _, r in frame[frame["diff_vs_ref"].notna()].iterrows():
+        verdict = "~ (tie)" if not r["ref_significant"] else ("better" if r["diff_vs_ref"] < 0 else "worse")
+        rows.append({"method": r["method"], "corpus": r["corpus"], "reference": r["reference"],
+                     "Δ ppl": f"{r['diff_vs_ref']:+.2f} [{r['ref_lo']:+.2f}, {r['ref_hi']:+.2f}]",
+                     "verdict": verdict})
+    return ("## Paired against the reference variant\n\nEach row minus its reference (same corpus, "
+            "kept ratio and granularity) on the same token blocks, 95% paired bootstrap interval; "
+            "\"better\" / \"worse\" only where the interval excludes 0.\n\n"
+            f"{pd.DataFrame(rows).to_markdown(index=False)}\n\n")
 
 
 def _cell(r) -> str:
