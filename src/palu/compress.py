@@ -21,7 +21,7 @@ from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed,
 from .decompose.probe import PROBE_WINDOWS, probe_key_weight
 from .decompose.spectra import spectra_of, whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
-from .decompose.ranks import allocate
+from .decompose.ranks import FISHER_KEY, allocate
 from .models.adapters import geometry_of
 
 
@@ -97,12 +97,13 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
     `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
     the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
-    (fisher, fisher_uniform, fisher_sqrt, error_aware) needs `fisher_windows` (`fisher_data`,
+    (fisher, fisher_uniform, fisher_sqrt, fisher_rms, error_aware) needs `fisher_windows` (`fisher_data`,
     the pipeline's default) or `fisher_stats`; there is no fallback to the Gram windows.
     `key_weight` (error_aware only): the factor on the keys' weights, or "auto" to probe it by the
     LM loss on `probe_windows` (default: the first `fisher_windows`, as the pipeline does;
-    decompose/probe.py). `rotation` (none | hadamard | random_orthogonal) is fused into the factors: the model is
-    the same without quantisation, the latents' outliers are spread for a quantised cache.
+    decompose/probe.py). `rotation` (none | hadamard | random_orthogonal) is fused into the
+    factors: the model is the same without quantisation, the latents' outliers are spread for a
+    quantised cache. `decomposition`: whitened | plain | attention (decompose/metrics.py).
     A sweep over settings passes the statistics once computed instead of recollecting them:
     `grams` = `collect_grams(model, calibration)["gram"]`, `fisher_stats` = `collect_fisher(model,
     windows)` (both of the *unmodified* model; `calibration` may then be None)."""
@@ -121,7 +122,7 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
                                  "palu.fisher_data(tokenizer), the pipeline's default windows) or "
                                  "fisher_stats=; the Gram windows are not reused silently")
             stats = collect_fisher(model, fisher_windows, progress)
-        fisher = stats["output_fisher" if rank_method == "error_aware" else "fisher"]
+        fisher = stats[FISHER_KEY[rank_method]]
     if rank_method == "error_aware":
         if grams is None:
             raise ValueError("rank_method='error_aware' needs decomposition='whitened' (its error "

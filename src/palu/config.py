@@ -63,7 +63,7 @@ class FisherConfig:
 class PaluConfig:
     kept_ratio: float = 0.5             # latent size / original K+V size ("Palu-50%" = 0.5)
     group_size: int = 1                 # KV heads per factorisation: 1 = M-LRD, all = J-LRD
-    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt
+    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt | fisher_rms | error_aware
     decomposition: str = "whitened"     # whitened | plain | attention (output-weighted)
     rank_multiple: int = 8
     fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)

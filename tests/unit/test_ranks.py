@@ -25,7 +25,7 @@ def _spectra(group, seed=0):
     return out
 
 
-@pytest.mark.parametrize("method", ["uniform", "fisher", "fisher_uniform", "fisher_sqrt", "error_aware"])
+@pytest.mark.parametrize("method", ["uniform", "fisher", "fisher_uniform", "fisher_sqrt", "fisher_rms", "error_aware"])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("kept", [0.3, 0.5, 0.7, 1.0])
 def test_budget_is_met_exactly(method, group, kept):

@@ -4,6 +4,9 @@ Two statistics from one backward pass per window, each per layer, per K/V and pe
 group size can be reduced from it later):
 - `fisher`: of the projection *weights* (the sum of the squared weight gradients in that head's
   rows), what the Fisher rank methods weigh blocks by;
+- `rms_fisher`: the official Palu code's scoring of the same gradients: each weight's RMS
+  gradient over the windows (sqrt of its mean squared gradient), averaged over the head's weights;
+  the square root per weight flattens the extremes before aggregation (`fisher_rms` ranks);
 - `output_fisher`: of the projection *outputs* (the mean over tokens and the head's output
   coordinates of the squared gradient of the loss with respect to the K or V output), how much
   the loss responds to an error in that block's output: what `error_aware` allocation weighs
@@ -16,9 +19,12 @@ import torch
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 
+FISHER_STATS = ("fisher", "rms_fisher", "output_fisher")    # what the fisher step saves
+
 
 def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
-    """Return {"fisher": (layers, 2, kv_heads) float64, "windows": n}. Only K/V weights get grads."""
+    """Return {"fisher", "rms_fisher", "output_fisher": (layers, 2, kv_heads) float64, "windows": n}.
+    Only K/V weights get grads."""
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
     layers = adapter.layers(model)
     weights = []
@@ -67,9 +73,12 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
         for p, flag in saved.items():
             p.requires_grad_(flag)
     fisher = torch.zeros(len(layers), 2, geom.num_kv_heads, dtype=torch.float64)
-    output_fisher = torch.zeros_like(fisher)
+    output_fisher, rms_fisher = torch.zeros_like(fisher), torch.zeros_like(fisher)
+    n = max(len(windows), 1)
     for i, (acc, out) in enumerate(zip(squares, outputs)):
         for j in range(2):  # rows of head h: h*head_dim .. (h+1)*head_dim
             fisher[i, j] = acc[j].view(geom.num_kv_heads, geom.head_dim, -1).sum(dim=(1, 2)).cpu()
+            rms_fisher[i, j] = (acc[j] / n).sqrt().view(geom.num_kv_heads, geom.head_dim, -1).mean(dim=(1, 2)).cpu()
             output_fisher[i, j] = out[j].view(geom.num_kv_heads, geom.head_dim).mean(dim=1).cpu() / max(tokens, 1)
-    return {"fisher": fisher, "output_fisher": output_fisher, "windows": int(len(windows))}
+    return {"fisher": fisher, "output_fisher": output_fisher, "rms_fisher": rms_fisher,
+            "windows": int(len(windows))}

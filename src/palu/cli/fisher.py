@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from safetensors.torch import save_file
 
-from ..calib.fisher import collect_fisher
+from ..calib.fisher import FISHER_STATS, collect_fisher
 from ..io import atomic_path
 from ..models.loading import load_model
 from ..pipeline import naming
@@ -18,7 +18,7 @@ def run(cfg) -> str:
         windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)
         stats = collect_fisher(model, windows, progress=cfg.progress)
         with atomic_path(out) as tmp:
-            save_file({"fisher": stats["fisher"].cpu(), "output_fisher": stats["output_fisher"].cpu()}, str(tmp),
+            save_file({k: stats[k].cpu() for k in FISHER_STATS}, str(tmp),
                       metadata={"windows": str(stats["windows"])})
         wb.metrics({"windows": stats["windows"]})
         wb.make("fisher", out, windows=stats["windows"], tag=naming.fisher_tag_of(cfg))

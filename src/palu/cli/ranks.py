@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from ..decompose.ranks import allocate
+from ..decompose.ranks import FISHER_KEY, allocate
 from ..io import write_json
 from ..models.adapters import geometry_of
 from ..models.loading import load_config
@@ -23,9 +23,9 @@ def run(cfg) -> dict:
                                     "run `python -m palu.cli.fisher` first")
         used["fisher"] = str(path)
         stats = load_file(str(path))
-        key = "output_fisher" if p.rank_method == "error_aware" else "fisher"
+        key = FISHER_KEY[p.rank_method]
         if key not in stats:
-            raise ValueError(f"{path} has no {key!r} (written before error_aware existed): run "
+            raise ValueError(f"{path} has no {key!r} (written before {p.rank_method} existed): run "
                              "`python -m palu.cli.fisher` again")
         fisher = stats[key]
     spectra = None

@@ -1,5 +1,8 @@
 """Rank allocation under a kept-ratio budget: uniform, fisher (per group), fisher_uniform (per matrix).
 
+`fisher` and `fisher_uniform` weigh a block by its raw Fisher diagonal (the sum of its weights'
+squared gradients); `fisher_rms` is the official Palu code's scoring: the mean over the block's
+weights of each weight's RMS gradient (calib.fisher `rms_fisher`), proportional per group.
 `fisher_sqrt` is our tempered variant (ranks proportional to the square root of the Fisher
 importance): plain proportional allocation starves the keys on small models (see the rank_search
 table), the square root keeps the ordering but flattens the extremes.
@@ -25,7 +28,11 @@ import torch
 
 from ..models.adapters import Geometry
 
-RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "error_aware")
+RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "fisher_rms", "error_aware")
+
+# which Fisher statistic (calib.fisher) each method weighs blocks by
+FISHER_KEY = {"fisher": "fisher", "fisher_uniform": "fisher", "fisher_sqrt": "fisher",
+              "fisher_rms": "rms_fisher", "error_aware": "output_fisher"}
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,8 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
                          "raise the kept ratio or lower rank_multiple")
     if method == "uniform":
         units = water_fill([1.0] * len(all_slots), [cap] * len(all_slots), budget_units)
-    elif method in ("fisher", "fisher_sqrt"):
-        power = 1.0 if method == "fisher" else 0.5
+    elif method in ("fisher", "fisher_sqrt", "fisher_rms"):
+        power = 0.5 if method == "fisher_sqrt" else 1.0
         units = water_fill([_slot_importance(fisher, s, group_size) ** power for s in all_slots],
                            [cap] * len(all_slots), budget_units)
     elif method == "error_aware":
