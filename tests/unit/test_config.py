@@ -99,3 +99,16 @@ def test_the_factors_ablation_grid(monkeypatch):
     bad = Grid({**grid.c, "factors": {**grid.c["factors"], "decompositions": ["whitened", "attenton"]}})
     with pytest.raises(ValueError, match="attenton"):
         bad.factors_specs()
+
+
+def test_the_recovery_grid(monkeypatch):
+    from palu.pipeline.grid import Grid
+    grid = Grid.load(Path(CONF_DIR) / "grid" / "default.yaml")
+    monkeypatch.setattr(Grid, "kv_heads", lambda self: 3)
+    specs = grid.recovery_specs()
+    assert [s.recovery for s in specs] == ["", grid.recovery_tag()] * 2
+    assert specs[1].tag == specs[0].tag.replace("-g1", "-g1" + grid.recovery_tag())
+    assert grid.checkpoint(specs[1]) != grid.checkpoint(specs[0])
+    bad = Grid({**grid.c, "recovery": {**grid.c["recovery"], "stesp": 3}})
+    with pytest.raises(ValueError, match="stesp"):
+        bad.recovery_specs()

@@ -162,10 +162,10 @@ class Grid:
 
     def recovery_settings(self) -> dict:
         r = self.c.get("recovery") or {}
-        stray = sorted(set(r) - set(self._RECOVERY_DEFAULTS) - {"runs"})
+        stray = sorted(set(r) - set(self._RECOVERY_DEFAULTS) - {"runs", "corpora"})
         if stray:
             raise ValueError(f"grid recovery has unknown keys {stray}; allowed: "
-                             f"{sorted(self._RECOVERY_DEFAULTS) + ['runs']}")
+                             f"{sorted(self._RECOVERY_DEFAULTS) + ['runs', 'corpora']}")
         return {k: r.get(k, v) for k, v in self._RECOVERY_DEFAULTS.items()}
 
     def recovery_tag(self) -> str:
