@@ -3,8 +3,9 @@
 error_aware's loss model is quadratic: a block's output error costs its output Fisher times the
 discarded whitened energy. That holds for small errors. A key error, though, passes through the
 softmax, so once most of a key spectrum is cut the first-order Fisher underestimates what it
-costs, and the allocator starves the keys (kept 0.3 on SmolLM2: keys got 28% of the dims and the
-model lost to every Fisher variant). One scalar corrects the balance: the keys' weights are
+costs and might starve the keys (kept 0.3 on SmolLM2 gave them 28% of the dims and lost to every
+Fisher variant; measured since: the probe keeps key weight 1 there, so it was not the keys, see the
+README). One scalar corrects the balance where it is off: the keys' weights are
 multiplied by `key_weight` before the greedy allocation, and `probe_key_weight` picks it from
 KEY_WEIGHTS by the real LM loss of the truncated model (each block replaced by its best rank-r
 whitened reconstruction, which is the Palu model without quantisation) on probe windows that the
