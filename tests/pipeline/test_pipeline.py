@@ -34,7 +34,7 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     for made in ("results", "calib", "ranks", "palu", "kvquant", "wandb"):
         shutil.rmtree(TEST_WORK / made, ignore_errors=True)
     _snakemake("--configfile", "conf/grid/small.yaml")
-    for table in ("baseline", "granularity", "rank_search"):
+    for table in ("baseline", "granularity", "rank_search", "factors", "recovery"):
         frame = pd.read_csv(results / "tables" / f"{table}.csv")
         assert {"model", "method", "corpus", "seqlen", "tokens", "ppl", "kept_ratio_target",
                 "kept_ratio_realised", "group_size"} <= set(frame.columns)
@@ -88,7 +88,8 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
 
 STEPS = {"calibrate": "gram", "fisher": "fisher", "ranks": "ranks", "decompose": "checkpoint",
          "kvquant_capture": "kvquant_activations", "fit_kvquant": "kvquant_state", "evaluate": "metrics",
-         "generate": "memory", "zeroshot": "zeroshot", "longcontext": "longcontext", "collect": None}
+         "generate": "memory", "zeroshot": "zeroshot", "longcontext": "longcontext", "recover": "checkpoint",
+         "collect": None}
 
 
 def _check_wandb_runs(wandb_dir, results):
