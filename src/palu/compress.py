@@ -8,13 +8,14 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .attention.install import install_palu
 from .calib.fisher import collect_fisher
 from .calib.gram import collect_grams
+from .config import FisherConfig
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
@@ -43,9 +44,10 @@ def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16,
                                samples, seqlen, seed, bos_token_for(tokenizer, bos))
 
 
-# The one default for the Fisher windows, the pipeline's too (conf/fisher/default.yaml, checked
-# equal by tests/unit/test_library_api.py): other windows than the Gram's, from the same text.
-FISHER_DEFAULTS = {"samples": 8, "seqlen": 2048, "seed": 1}
+# The one default for the Fisher windows, the pipeline's too (config.FisherConfig, which
+# conf/fisher/default.yaml repeats; tests/unit/test_library_api.py checks they agree): other
+# windows than the Gram's, from the same text.
+FISHER_DEFAULTS = asdict(FisherConfig())
 
 
 def fisher_data(tokenizer, corpus: str = "wiki_standin", samples: int = FISHER_DEFAULTS["samples"],

@@ -34,8 +34,6 @@ def run(cfg) -> str:
         out_manifest = {**manifest, "tag": tag, "recovery": report,
                         "settings": {**manifest["settings"], "recovery": to_dict(r)},
                         "summary": {**manifest["summary"], "recovery": naming.recovery_tag_of(cfg)}}
-        out_manifest.pop("files", None)
-        out_manifest.pop("format_version", None)
         save_compressed(cfg.out, factors_of(model), out_manifest)
         wb.metrics({"kl_first": report["kl_first"], "kl_last": report["kl_last"],
                     "recover_seconds": report["seconds"]})

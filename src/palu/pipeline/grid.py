@@ -7,7 +7,7 @@ was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
@@ -157,16 +157,16 @@ class Grid:
         return [PaluSpec(d, f["rank_method"], float(k), g)
                 for g in groups for k in f["kept_ratios"] for d in f["decompositions"]]
 
-    _RECOVERY_DEFAULTS = {"rank": 8, "steps": 16, "lr": 0.001, "init_scale": 0.01, "samples": 16,
-                          "seqlen": 256, "seed": 3}
-
     def recovery_settings(self) -> dict:
+        """The grid's recovery settings over the step's defaults (config.RecoveryConfig)."""
+        from ..config import RecoveryConfig
+        defaults = {k: v for k, v in asdict(RecoveryConfig()).items() if k != "checkpoint"}
         r = self.c.get("recovery") or {}
-        stray = sorted(set(r) - set(self._RECOVERY_DEFAULTS) - {"runs", "corpora"})
+        stray = sorted(set(r) - set(defaults) - {"runs", "corpora"})
         if stray:
             raise ValueError(f"grid recovery has unknown keys {stray}; allowed: "
-                             f"{sorted(self._RECOVERY_DEFAULTS) + ['runs', 'corpora']}")
-        return {k: r.get(k, v) for k, v in self._RECOVERY_DEFAULTS.items()}
+                             f"{sorted(defaults) + ['runs', 'corpora']}")
+        return {k: r.get(k, v) for k, v in defaults.items()}
 
     def recovery_tag(self) -> str:
         return naming.recovery_tag(**self.recovery_settings())
