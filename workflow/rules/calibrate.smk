@@ -7,7 +7,7 @@ rule calibrate:
         log("calibrate", f"{M}-{CTAG}"),
     benchmark:
         bench("calibrate", f"{M}-{CTAG}")
-    threads: workflow.cores
+    threads: JOB_THREADS
     shell:
         "{PY} -m palu.cli.calibrate {COMMON} out={output} progress=false > {log} 2>&1"
 
@@ -21,6 +21,6 @@ rule fisher:
         log("fisher", f"{M}-{CTAG}-{FTAG}"),
     benchmark:
         bench("fisher", f"{M}-{CTAG}-{FTAG}")
-    threads: workflow.cores
+    threads: JOB_THREADS
     shell:
         "{PY} -m palu.cli.fisher {COMMON} out={output} progress=false > {log} 2>&1"

@@ -17,11 +17,13 @@ COMMON = " ".join(GRID.common_overrides())
 TRACK = f"tracking={GRID.tracking.mode} paths.work={W} paths.results={R}"
 check_tracking(GRID.tracking)
 TABLES = GRID.tables()
-# Threads of each per-run job (evaluate, zeroshot, longcontext, generate, decompose). On CPU one
-# by default, so `--cores 2` runs two at once and one job's imports (~8 s of single-threaded
-# start-up) overlap the other's compute (measured: two 4K-token evaluations 33 s in parallel
-# against 41 s one after the other at 2 threads). On a GPU every core, i.e. one job at a time,
-# so jobs never share the device's memory. The grid's `job_threads` sets it.
+# Threads of every model job (calibration, Fisher, KVQuant, evaluate, zero-shot, long context,
+# generate, decompose). On CPU one by default, so `--cores 2` runs two at once and one job's
+# imports (~8 s of single-threaded start-up) overlap the other's compute (measured: two 4K-token
+# evaluations 33 s in parallel against 41 s one after the other at 2 threads); calibration and
+# Fisher, on the critical path, share the cores with the runs that need neither (FP16, the
+# quantisation baselines). On a GPU every core, i.e. one job at a time, so jobs never share the
+# device's memory. The grid's `job_threads` sets it.
 JOB_THREADS = max(1, min(int(config.get("job_threads", 1 if GRID.device == "cpu" else workflow.cores)),
                          workflow.cores))
 MODEL_DIR = GRID.prepared_model()

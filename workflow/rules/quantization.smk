@@ -18,7 +18,7 @@ if GRID.kvquant_specs():
             log("kvquant_capture", GRID.kvquant_ktag()),
         benchmark:
             bench("kvquant_capture", GRID.kvquant_ktag())
-        threads: workflow.cores
+        threads: JOB_THREADS
         params:
             kv=GRID.kvquant_overrides(GRID.kvquant_specs()[0]),
         shell:
@@ -37,7 +37,7 @@ if GRID.kvquant_specs():
             log("fit_kvquant", "b{kbits}-{weighting}-o{frac}"),
         benchmark:
             bench("fit_kvquant", "b{kbits}-{weighting}-o{frac}")
-        threads: workflow.cores
+        threads: JOB_THREADS
         params:
             kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
         shell:
@@ -68,7 +68,7 @@ rule latent_outliers_figure:
     params:
         inputs=lambda w, input: ",".join([input.model, *input.checkpoints]),
         corpus=QUANT.get("figure_corpus", "wiki_standin"),
-    threads: workflow.cores
+    threads: JOB_THREADS
     shell:
         "{PY} -m palu.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
         "corpus={params.corpus} out={output} {TRACK} > {log} 2>&1"

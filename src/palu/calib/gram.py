@@ -10,6 +10,12 @@ from ..models.adapters import adapter_for
 from ..progress import steps
 
 
+def _one_logit(model) -> dict:
+    """`logits_to_keep=1` where the model's forward takes it (a fifth of a small model's FLOPs)."""
+    import inspect
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 @torch.no_grad()
 def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
     """Return {"gram": (layers, in, in) float64, "tokens": n} over calibration `windows`."""
@@ -32,7 +38,8 @@ def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
         hooks.append(k_proj.register_forward_pre_hook(make_hook(i)))
     try:
         for window in steps(windows, "calibration (Gram)", "windows", progress):
-            model(input_ids=window[None].to(device), use_cache=False)
+            # the hooks have what they need before the LM head: its logits for one position only
+            model(input_ids=window[None].to(device), use_cache=False, **_one_logit(model))
     finally:
         for h in hooks:
             h.remove()
