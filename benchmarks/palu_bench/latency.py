@@ -125,6 +125,46 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, s
                 rope=rope, split=split, rank_k=c["rank_k"], rank_v=c["rank_v"])
 
 
+def kivi_rows(shape_name, shape, B, T, sdpa, cfg, ceil, checks, log=print) -> list[dict]:
+    """KIVI-b (per-channel key groups, per-token value groups, an exact fp16 window) through the
+    KIVI peer kernel (`palu_kernels/kivi.py`): one row per width, plus a `tune` row per extra
+    launch variant of `kivi.variants` (each checked against the float32 reference too)."""
+    from palu_kernels.kivi import kivi_decode, kivi_decode_reference, kivi_nbytes, kivi_pack
+    kc = cfg.get("kivi") or {}
+    rows = []
+    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.float16, generator=g)
+    for bits in kc.get("bits", []):
+        k = torch.randn(B, KVH, T, D, device="cuda", dtype=torch.float16, generator=g)
+        v = torch.randn(B, KVH, T, D, device="cuda", dtype=torch.float16, generator=g)
+        cache = kivi_pack(k, v, bits, kc.get("group", 32), kc.get("group", 32), kc.get("residual", 128))
+        del k, v
+        counts = {"bytes": kivi_nbytes(cache) + 2 * q.numel() * 2, "flops": 4 * B * H * T * D}
+        check = T == cfg["check_length"] and B == 1
+        ref = kivi_decode_reference(q, cache, 1 / math.sqrt(D)) if check else None
+        for i, params in enumerate(kc.get("variants") or [{}]):
+            fn = lambda: kivi_decode(q, cache, **params)  # noqa: E731
+            name = f"kivi-b{bits}" if i == 0 else "tune"
+            try:
+                err = _rel_err(fn, ref) if check else None
+                if check and i == 0:
+                    checks.append({"shape": shape_name, "variant": name, "bits": bits, "rel_err": err})
+                t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
+                rows.append(_row(name, shape_name, B, T, t, counts, ceil, speedup=sdpa / t, bits=bits,
+                                 group_size=kc.get("group", 32), params=str(params),
+                                 **({"rel_err": err} if check else {})))
+                log(f"kivi-b{bits} {params} {shape_name} B={B} T={T}: {t * 1e6:.1f} us "
+                    f"({sdpa / t:.2f}x SDPA, {rows[-1]['roofline_fraction']:.0%} of its floor)")
+            except Exception as err:
+                rows.append({"variant": name, "shape": shape_name, "batch": B, "length": T,
+                             "params": str(params), "error": f"{type(err).__name__}: {err}"[:300]})
+                log(f"kivi-b{bits} {params} {shape_name} T={T}: FAILED {err}")
+        del cache, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
 def tune_params(variant) -> dict:
     """palu_decode keyword arguments of one tune variant: the two-pass shorthand
     [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
@@ -209,6 +249,8 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
             qi, hk, hv, kw, c = palu_case(shape, B, T, 1, 1.0, 1.0, 4, rope=False)
             t = _bench(lambda: palu_decode(qi, hk, hv, **{**kw, "bk": None}), w, r)
             rows.append(_row("int4_kv", shape_name, B, T, t, c, ceil, speedup=sdpa / t))
+            del qi, hk, hv
+            rows += kivi_rows(shape_name, shape, B, T, sdpa, cfg, ceil, checks, log)
             for split_name, (kk, kv) in cfg["splits"].items():
                 for s in groups:
                     for bits in cfg["bits"]:
