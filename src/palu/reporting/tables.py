@@ -60,23 +60,30 @@ def _blocks(path: str | Path):
     return (m.get("block_nll"), m.get("block_tokens"))
 
 
+def _write_pairs(frame: pd.DataFrame, blocks: list, pairs, columns: list[str]) -> None:
+    """For each (row, reference row): row's ppl minus the reference's on the same token blocks
+    (95% paired bootstrap) into `columns` = [diff, lo, hi, significant]; a pair whose blocks are
+    missing or differ (other windows) is left NaN."""
+    for i, j in pairs:
+        (nll, tok), (ref_nll, ref_tok) = blocks[i], blocks[j]
+        if nll is None or ref_nll is None or tok != ref_tok:
+            continue
+        d = ppl_difference(nll, ref_nll, tok)
+        frame.loc[i, columns[:3]] = d["diff"], d["lo"], d["hi"]
+        frame.at[i, columns[3]] = d["significant"]
+
+
 def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFrame:
     """Each run's ppl minus FP16's on the same corpus and token blocks, with a 95% paired
     interval; NaN where either run lacks blocks or their blocks differ (other windows)."""
-    blocks = [_blocks(p) for p in paths]
     frame = frame.assign(diff_vs_fp16=math.nan, diff_lo=math.nan, diff_hi=math.nan, significant=None)
+    pairs = []
     for corpus in frame["corpus"].unique():
-        ref = [i for i in frame.index if frame.at[i, "corpus"] == corpus and frame.at[i, "method"] == "fp16"]
-        if not ref or blocks[ref[0]][0] is None:
-            continue
-        ref_nll, ref_tok = blocks[ref[0]]
-        for i in frame.index[(frame["corpus"] == corpus) & (frame["method"] != "fp16")]:
-            nll, tok = blocks[i]
-            if nll is None or tok != ref_tok:
-                continue
-            d = ppl_difference(nll, ref_nll, tok)
-            frame.loc[i, ["diff_vs_fp16", "diff_lo", "diff_hi"]] = d["diff"], d["lo"], d["hi"]
-            frame.at[i, "significant"] = d["significant"]
+        ref = frame.index[(frame["corpus"] == corpus) & (frame["method"] == "fp16")]
+        if len(ref):
+            pairs += [(i, ref[0]) for i in frame.index[(frame["corpus"] == corpus) & (frame["method"] != "fp16")]]
+    _write_pairs(frame, [_blocks(p) for p in paths], pairs,
+                 ["diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
     return frame
 
 
@@ -95,22 +102,19 @@ def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, 
                             match: list[str]) -> pd.DataFrame:
     """Each row's ppl minus its reference row's (the row with `column == value` and the same
     `match` columns) on the same token blocks, with a 95% paired interval."""
-    blocks = [_blocks(p) for p in paths]
     frame = frame.assign(reference=None, diff_vs_ref=math.nan, ref_lo=math.nan, ref_hi=math.nan,
                          ref_significant=None)
     refs = frame[frame[column] == value]
+    pairs = []
     for i in frame.index[(frame[column] != value) & (frame["method"] != "fp16")]:
         same = refs[(refs[match] == frame.loc[i, match]).all(axis=1)]
-        if len(same) != 1:
-            continue
-        j = same.index[0]
-        (nll, tok), (ref_nll, ref_tok) = blocks[i], blocks[j]
-        if nll is None or ref_nll is None or tok != ref_tok:
-            continue
-        d = ppl_difference(nll, ref_nll, tok)
-        frame.at[i, "reference"] = frame.at[j, "method"]
-        frame.loc[i, ["diff_vs_ref", "ref_lo", "ref_hi"]] = d["diff"], d["lo"], d["hi"]
-        frame.at[i, "ref_significant"] = d["significant"]
+        if len(same) == 1:
+            pairs.append((i, same.index[0]))
+    _write_pairs(frame, [_blocks(p) for p in paths], pairs,
+                 ["diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"])
+    for i, j in pairs:
+        if not math.isnan(frame.at[i, "diff_vs_ref"]):
+            frame.at[i, "reference"] = frame.at[j, "method"]
     return frame
 
 
