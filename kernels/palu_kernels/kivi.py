@@ -2,8 +2,9 @@
 over a KIVI cache, keys quantised per channel in groups of `GK` tokens, values per token in groups
 of `GV` channels (asymmetric min-max, k = s n + z), the newest `R` tokens exact in fp16.
 
-Layout (`kivi_pack`): packed fields along the channels as the Palu latents are (byte j of a token
-holds channel k D/per + j in field k, per = 8 / bits), so `unpack._unpack_part` serves both;
+Layout (`kivi_pack`): fields packed along the channels by `layout.pack_codes`, as the Palu
+latents are (byte j of a token holds channel k D/per + j in field k, per = 8 / bits), so
+`unpack._unpack_part` serves both;
 key scales / zeros [B, KVH, T / GK, D], value scales / zeros [B, KVH, T, D / GV], fp16.
 
 One program per (sequence, KV head, split of the quantised tokens) plus one per (sequence, KV
@@ -15,13 +16,14 @@ likewise with its per-token scale, one dot per group.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from .combine import _combine, _softmax_step
+from .layout import pack_codes, unpack_codes
+from .palu_decode import _use_asm
 from .unpack import _unpack_part
 
 LOG2E = 1.4426950408889634
@@ -140,23 +142,6 @@ def _kivi_split(Q, KQ, KS, KZ, VQ, VS, VZ, KR, VR, ACC, MS, LS,
     tl.store(LS + out, l_i, mask=row_ok)
 
 
-def _pack(n: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integers n [..., D] in [0, 2^bits) -> bytes [..., D bits / 8]: channel k D/per + j in
-    field k of byte j (the Palu latents' part layout)."""
-    per = 8 // bits
-    parts = n.to(torch.int32).unflatten(-1, (per, n.shape[-1] // per))
-    out = torch.zeros_like(parts[..., 0, :])
-    for k in range(per):
-        out |= parts[..., k, :] << (k * bits)
-    return out.to(torch.uint8)
-
-
-def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
-    per = 8 // bits
-    x = data.to(torch.int32)
-    return torch.cat([(x >> (k * bits)) & ((1 << bits) - 1) for k in range(per)], -1)
-
-
 def _minmax(x: torch.Tensor, dim: int, bits: int):
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     s = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-8)
@@ -179,9 +164,9 @@ def kivi_pack(k: torch.Tensor, v: torch.Tensor, bits: int, group_k: int = 32, gr
     vq = v[:, :, :tq].float().unflatten(-1, (D // group_v, group_v))       # [B, H, tq, D/GV, GV]
     nv, sv, zv = _minmax(vq, 4, bits)
     return {"bits": bits, "group_k": group_k, "group_v": group_v,
-            "k_data": _pack(nk.flatten(2, 3), bits), "k_scale": sk[:, :, :, 0].half().contiguous(),
+            "k_data": pack_codes(nk.flatten(2, 3).to(torch.uint8), bits), "k_scale": sk[:, :, :, 0].half().contiguous(),
             "k_zero": zk[:, :, :, 0].half().contiguous(),
-            "v_data": _pack(nv.flatten(3), bits), "v_scale": sv[..., 0].half().contiguous(),
+            "v_data": pack_codes(nv.flatten(3).to(torch.uint8), bits), "v_scale": sv[..., 0].half().contiguous(),
             "v_zero": zv[..., 0].half().contiguous(),
             "k_res": k[:, :, tq:].contiguous(), "v_res": v[:, :, tq:].contiguous()}
 
@@ -189,11 +174,11 @@ def kivi_pack(k: torch.Tensor, v: torch.Tensor, bits: int, group_k: int = 32, gr
 def kivi_dequantize(cache: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache's K, V [B, KVH, T, D] as float32 (what the attention must read)."""
     bits, gk, gv = cache["bits"], cache["group_k"], cache["group_v"]
-    nk = _unpack(cache["k_data"], bits).float()                            # [B, H, tq, D]
+    nk = unpack_codes(cache["k_data"], bits).float()                            # [B, H, tq, D]
     B, H, tq, D = nk.shape
     k = (nk.unflatten(2, (tq // gk, gk)) * cache["k_scale"][:, :, :, None].float()
          + cache["k_zero"][:, :, :, None].float()).flatten(2, 3)
-    nv = _unpack(cache["v_data"], bits).float().unflatten(-1, (D // gv, gv))
+    nv = unpack_codes(cache["v_data"], bits).float().unflatten(-1, (D // gv, gv))
     v = (nv * cache["v_scale"][..., None].float() + cache["v_zero"][..., None].float()).flatten(3)
     return (torch.cat([k, cache["k_res"].float()], 2), torch.cat([v, cache["v_res"].float()], 2))
 
@@ -210,10 +195,6 @@ def kivi_decode_reference(q: torch.Tensor, cache: dict, scale: float) -> torch.T
 def kivi_nbytes(cache: dict) -> int:
     """Bytes the cache holds (what one decode step must read), metadata included."""
     return sum(t.numel() * t.element_size() for key, t in cache.items() if isinstance(t, torch.Tensor))
-
-
-def _use_asm(dev) -> bool:
-    return dev.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def kivi_decode(q: torch.Tensor, cache: dict, scale: float | None = None, splits: int | None = None,

@@ -36,10 +36,11 @@ def collect_grams(model, windows: torch.Tensor, progress: bool = True) -> dict:
     for i, layer in enumerate(layers):
         _, k_proj, _, _ = adapter.projections(adapter.attention(layer))
         hooks.append(k_proj.register_forward_pre_hook(make_hook(i)))
+    # the hooks have what they need before the LM head: its logits for one position only
+    one_logit = _one_logit(model)
     try:
         for window in steps(windows, "calibration (Gram)", "windows", progress):
-            # the hooks have what they need before the LM head: its logits for one position only
-            model(input_ids=window[None].to(device), use_cache=False, **_one_logit(model))
+            model(input_ids=window[None].to(device), use_cache=False, **one_logit)
     finally:
         for h in hooks:
             h.remove()

@@ -60,10 +60,11 @@ def _blocks(path: str | Path):
     return (m.get("block_nll"), m.get("block_tokens"))
 
 
-def _write_pairs(frame: pd.DataFrame, blocks: list, pairs, columns: list[str]) -> None:
+def _write_pairs(frame: pd.DataFrame, blocks: list, pairs, columns: list[str]) -> list:
     """For each (row, reference row): row's ppl minus the reference's on the same token blocks
     (95% paired bootstrap) into `columns` = [diff, lo, hi, significant]; a pair whose blocks are
-    missing or differ (other windows) is left NaN."""
+    missing or differ (other windows) is left NaN. Returns the pairs written."""
+    written = []
     for i, j in pairs:
         (nll, tok), (ref_nll, ref_tok) = blocks[i], blocks[j]
         if nll is None or ref_nll is None or tok != ref_tok:
@@ -71,6 +72,8 @@ def _write_pairs(frame: pd.DataFrame, blocks: list, pairs, columns: list[str]) -
         d = ppl_difference(nll, ref_nll, tok)
         frame.loc[i, columns[:3]] = d["diff"], d["lo"], d["hi"]
         frame.at[i, columns[3]] = d["significant"]
+        written.append((i, j))
+    return written
 
 
 def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFrame:
@@ -110,11 +113,9 @@ def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, 
         same = refs[(refs[match] == frame.loc[i, match]).all(axis=1)]
         if len(same) == 1:
             pairs.append((i, same.index[0]))
-    _write_pairs(frame, [_blocks(p) for p in paths], pairs,
-                 ["diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"])
-    for i, j in pairs:
-        if not math.isnan(frame.at[i, "diff_vs_ref"]):
-            frame.at[i, "reference"] = frame.at[j, "method"]
+    for i, j in _write_pairs(frame, [_blocks(p) for p in paths], pairs,
+                             ["diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]):
+        frame.at[i, "reference"] = frame.at[j, "method"]
     return frame
 
 
