@@ -19,10 +19,10 @@ from .config import FisherConfig
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
-from .decompose.probe import PROBE_WINDOWS, probe_key_weight
+from .decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
 from .decompose.spectra import spectra_of, whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
-from .decompose.ranks import FISHER_KEY, allocate
+from .decompose.ranks import FISHER_KEY, PROBED, allocate
 from .models.adapters import geometry_of
 
 
@@ -99,11 +99,12 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
     `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
     the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
-    (fisher, fisher_uniform, fisher_sqrt, fisher_rms, error_aware) needs `fisher_windows` (`fisher_data`,
+    (fisher, fisher_uniform, fisher_sqrt, fisher_rms, error_aware, probe_select) needs `fisher_windows` (`fisher_data`,
     the pipeline's default) or `fisher_stats`; there is no fallback to the Gram windows.
     `key_weight` (error_aware only): the factor on the keys' weights, or "auto" to probe it by the
     LM loss on `probe_windows` (default: the first `fisher_windows`, as the pipeline does;
-    decompose/probe.py). `rotation` (none | hadamard | random_orthogonal) is fused into the
+    decompose/probe.py). `probe_select` scores every other allocator's ranks on those windows and
+    keeps the best (needs the Fisher statistics and the Gram). `rotation` (none | hadamard | random_orthogonal) is fused into the
     factors: the model is the same without quantisation, the latents' outliers are spread for a
     quantised cache. `decomposition`: whitened | plain | attention (decompose/metrics.py).
     A sweep over settings passes the statistics once computed instead of recollecting them:
@@ -124,23 +125,31 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
                                  "palu.fisher_data(tokenizer), the pipeline's default windows) or "
                                  "fisher_stats=; the Gram windows are not reused silently")
             stats = collect_fisher(model, fisher_windows, progress)
-        fisher = stats[FISHER_KEY[rank_method]]
-    if rank_method == "error_aware":
+        fisher = stats if rank_method == "probe_select" else stats[FISHER_KEY[rank_method]]
+    if rank_method in PROBED:
         if grams is None:
-            raise ValueError("rank_method='error_aware' needs decomposition='whitened' (its error "
-                             "profiles are the whitened spectra)")
+            raise ValueError(f"rank_method={rank_method!r} needs decomposition='whitened' (its error "
+                             "profiles and probe models are the whitened factors)")
         svds = whitened_svds(model, grams, group_size)
         spectra = spectra_of(svds)
-        if key_weight == "auto":
-            windows = probe_windows if probe_windows is not None else (
-                None if fisher_windows is None else fisher_windows[:PROBE_WINDOWS])
-            if windows is None:
-                raise ValueError("key_weight='auto' probes on held-out windows: pass probe_windows= "
-                                 "(or fisher_windows=), or a numeric key_weight")
+        windows = probe_windows if probe_windows is not None else (
+            None if fisher_windows is None else fisher_windows[:PROBE_WINDOWS])
+        needs_probe = rank_method != "error_aware" or key_weight == "auto"
+        if needs_probe and windows is None:
+            raise ValueError(f"{rank_method if rank_method != 'error_aware' else 'key_weight=auto'} "
+                             "probes on held-out windows: pass probe_windows= (or fisher_windows=)"
+                             + ("" if rank_method != "error_aware" else ", or a numeric key_weight"))
+        if rank_method == "error_aware" and key_weight == "auto":
             key_weight, probe = probe_key_weight(model, svds, fisher, kept_ratio, group_size, multiple,
                                                  windows)
-    extra = {"key_weight": key_weight} if rank_method == "error_aware" else {}
-    allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra, **extra)
+    if rank_method == "error_aware_bytes":   # kept_ratio: the fraction of the FP16 cache's bytes
+        from .decompose.bit_alloc import byte_allocation
+        allocation = byte_allocation(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+    elif rank_method == "probe_select":
+        allocation = probe_select(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+    else:
+        extra = {"key_weight": key_weight} if rank_method == "error_aware" else {}
+        allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra, **extra)
     if probe is not None:
         allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
                                "candidates": probe}

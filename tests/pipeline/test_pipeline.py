@@ -34,13 +34,20 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     for made in ("results", "calib", "ranks", "palu", "kvquant", "wandb"):
         shutil.rmtree(TEST_WORK / made, ignore_errors=True)
     _snakemake("--configfile", "conf/grid/small.yaml")
-    for table in ("baseline", "granularity", "rank_search", "factors", "recovery"):
+    for table in ("baseline", "granularity", "rank_allocation", "factors", "recovery", "byte_budget"):
         frame = pd.read_csv(results / "tables" / f"{table}.csv")
         assert {"model", "method", "corpus", "seqlen", "tokens", "ppl", "kept_ratio_target",
                 "kept_ratio_realised", "group_size"} <= set(frame.columns)
         assert (frame["ppl"] > 1).all()
         assert "stand-in" in (results / "tables" / f"{table}.md").read_text()
     assert (results / "figures" / "rank_allocation.png").stat().st_size > 10_000
+    # the (rank, bits) allocation is paired with the uniform checkpoint whose bytes it was given
+    budget = pd.read_csv(results / "tables" / "byte_budget.csv")
+    mixed = budget[budget["rank_method"] == "error_aware_bytes"]
+    assert len(mixed) == 1 and mixed["reference"].str.contains("uniform-k0.5-g3-b4").all()
+    assert mixed["diff_vs_ref"].notna().all()
+    ref = budget[budget["method"] == mixed["reference"].item()]
+    assert mixed["effective_bits"].item() <= ref["effective_bits"].item() + 1e-9
     # the quantization table compares every method at the bytes its real cache held
     quant = pd.read_csv(results / "tables" / "quantization.csv")
     assert {"fp16", "palu", "kivi", "turboquant", "kvquant"} == set(quant["family"])

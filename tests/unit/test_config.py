@@ -84,7 +84,7 @@ def test_grids_parse():
     from palu.pipeline.grid import Grid
     for path in (Path(CONF_DIR) / "grid").glob("*.yaml"):
         grid = Grid.load(path)
-        assert grid.rank_search_specs() and grid.common_overrides()
+        assert grid.rank_allocation_specs() and grid.common_overrides()
     with pytest.raises(ValueError, match="unknown grid keys"):
         Grid({"model": "x", "calibration": {}, "fisher": {}, "typo": 1})
 

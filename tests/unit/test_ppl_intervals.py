@@ -59,7 +59,7 @@ def test_tables_show_intervals_and_paired_differences(tmp_path):
 
 
 def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
-    """rank_search rows against uniform at the same kept ratio and granularity (issue 21)."""
+    """rank_allocation rows against uniform at the same kept ratio and granularity (issue 21)."""
     from palu.reporting.tables import build_table, to_markdown
     rng = np.random.default_rng(3)
     hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
@@ -76,11 +76,19 @@ def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
              palu_run("f5", "fisher", 0.5, [h + 0.1 * 128 for h in hard]),       # better than u5
              palu_run("u3", "uniform", 0.3, [h + 0.5 * 128 for h in hard]),
              palu_run("f3", "fisher", 0.3, [h + 0.5 * 128 + rng.normal(0, 0.5) for h in hard])]
-    frame = build_table(paths, table="rank_search").set_index("method")
+    frame = build_table(paths, table="rank_allocation").set_index("method")
     assert frame.loc["f5", "reference"] == "u5" and frame.loc["f3", "reference"] == "u3"
     assert frame.loc["f5", "ref_significant"] and frame.loc["f5", "ref_hi"] < 0
     assert not frame.loc["f3", "ref_significant"]
     assert frame.loc[["fp16", "u5", "u3"], "reference"].isna().all()
-    text = to_markdown(build_table(paths, table="rank_search"), "t")
+    text = to_markdown(build_table(paths, table="rank_allocation"), "t")
     assert "| f5 " in text.split("## Paired")[1] and "better" in text and "~ (tie)" in text
     assert "## Paired" not in to_markdown(build_table(paths), "t")    # other tables: no section
+    # a second reference: another allocator against fisher (the paper's), uniform not against it
+    paths.append(palu_run("p5", "probe_select", 0.5, [h + 0.2 * 128 for h in hard]))   # worse than f5
+    frame = build_table(paths, table="rank_allocation").set_index("method")
+    assert frame.loc["p5", "reference"] == "u5" and frame.loc["p5", "reference2"] == "f5"
+    assert frame.loc["p5", "ref2_significant"] and frame.loc["p5", "diff_vs_ref2"] > 0
+    assert frame.loc[["fp16", "u5", "f5", "u3", "f3"], "reference2"].isna().all()
+    text = to_markdown(build_table(paths, table="rank_allocation"), "t")
+    assert "| p5 " in text.split("## Paired against the second reference")[1] and "worse" in text

@@ -1,6 +1,7 @@
 """error_aware's probed key weight (decompose/probe.py): the probe scores the real Palu model,
 restores the weights, and picks the candidate with the lowest loss."""
 import copy
+import math
 
 import pytest
 import torch
@@ -88,3 +89,67 @@ def test_compress_records_the_probe_and_a_fixed_weight_skips_it(setup):
     with pytest.raises(ValueError, match="probe_windows"):
         palu.compress(copy.deepcopy(model), None, 0.5, 1, "error_aware", multiple=2, progress=False,
                       grams=grams, fisher_stats=stats)
+
+
+def test_probe_select_keeps_the_candidate_with_the_lowest_probe_loss(setup):
+    from palu.decompose.probe import probe_select
+    model, calib, grams, stats = setup
+    svds = whitened_svds(model, grams, 1)
+    geom = geometry_of(model.config)
+    candidates = (("uniform", None), ("fisher", None), ("fisher_rms", None), ("error_aware", 0.25),
+                  ("error_aware", 4.0))
+    chosen = probe_select(model, svds, stats, 0.5, 1, 2, calib[:1], candidates, blends=())
+    rows = chosen["probe"]["candidates"]
+    assert [r["candidate"] for r in rows] == ["uniform", "fisher", "fisher_rms", "error_aware@k0.25",
+                                              "error_aware@k4"]
+    best = min(rows, key=lambda r: r["loss"])
+    assert chosen["method"] == "probe_select" and chosen["selected"] == best["candidate"]
+    method, _, weight = best["candidate"].partition("@k")
+    from palu.decompose.ranks import FISHER_KEY
+    extra = {"key_weight": float(weight)} if weight else {}
+    again = allocate(geom, 0.5, 1, method, 2, None if method == "uniform" else stats[FISHER_KEY[method]],
+                     spectra_of(svds), **extra)
+    assert chosen["ranks"] == again["ranks"] and chosen["latent_size"] == again["latent_size"]
+    for r in rows:       # the losses differ, so the choice is not a tie broken by order
+        assert math.isfinite(r["loss"])
+    assert len({round(r["loss"], 9) for r in rows}) > 1
+    # with blends: the best is blended with uniform and the runner-up, and the winner is the
+    # lowest loss over everything scored
+    blended = probe_select(model, svds, stats, 0.5, 1, 2, calib[:1], candidates, blends=(0.5,))
+    names = [r["candidate"] for r in blended["probe"]["candidates"]]
+    assert names[:5] == [r["candidate"] for r in rows] and len(names) > 5
+    assert all("*0.5+" in n for n in names[5:]) and all(n.startswith(best["candidate"] + "*") for n in names[5:])
+    assert blended["selected"] == min(blended["probe"]["candidates"], key=lambda r: r["loss"])["candidate"]
+    assert sum(r["rank"] for r in blended["ranks"]) == chosen["latent_size"]
+    with pytest.raises(ValueError, match="its own candidate"):
+        probe_select(model, svds, stats, 0.5, 1, 2, calib[:1], (("probe_select", None),))
+    with pytest.raises(ValueError, match="probe_select"):
+        allocate(geom, 0.5, 1, "probe_select", 2, stats["fisher"])
+
+
+def test_compress_with_probe_select_needs_probe_windows(setup):
+    model, calib, grams, stats = setup
+    picked = palu.compress(copy.deepcopy(model), None, 0.5, 1, "probe_select", multiple=2, progress=False,
+                           grams=grams, fisher_stats=stats, probe_windows=calib[:1])
+    assert picked.allocation["method"] == "probe_select"
+    assert picked.allocation["selected"] in [r["candidate"] for r in picked.allocation["probe"]["candidates"]]
+    assert picked.manifest["summary"]["rank_method"] == "probe_select"
+    with pytest.raises(ValueError, match="probe_windows"):
+        palu.compress(copy.deepcopy(model), None, 0.5, 1, "probe_select", multiple=2, progress=False,
+                      grams=grams, fisher_stats=stats)
+
+
+def test_a_blend_lies_between_its_allocations_and_keeps_the_budget():
+    from palu.decompose.ranks import blend
+    geom = geometry_of(tiny_llama(0).config)
+    stats_like = torch.rand(geom.num_layers, 2, geom.num_kv_heads, generator=torch.Generator().manual_seed(1))
+    a = allocate(geom, 0.5, 1, "fisher", 2, stats_like)
+    b = allocate(geom, 0.5, 1, "uniform", 2)
+    assert blend(a, b, 1.0)["ranks"] == a["ranks"] and blend(a, b, 0.0)["ranks"] == b["ranks"]
+    mid = blend(a, b, 0.5)
+    assert sum(r["rank"] for r in mid["ranks"]) == a["latent_size"]
+    for ra, rb, rm in zip(a["ranks"], b["ranks"], mid["ranks"]):
+        assert min(ra["rank"], rb["rank"]) - 2 <= rm["rank"] <= max(ra["rank"], rb["rank"]) + 2
+        assert rm["rank"] % 2 == 0 and 2 <= rm["rank"] <= rm["full"]
+    with pytest.raises(ValueError, match="blend"):
+        blend(a, allocate(geom, 0.3, 1, "uniform", 2), 0.5)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from palu.decompose.svd import factorize, whitening
@@ -99,3 +100,22 @@ def test_compress_reuses_precomputed_statistics_bit_for_bit():
                            grams=grams, fisher_stats=stats, probe_windows=calib[:1])
     assert reused.allocation["ranks"] == direct.allocation["ranks"]
     assert all(torch.equal(a, b) for fa, fb in zip(direct.factors, reused.factors) for a, b in zip(fa.A_k, fb.A_k))
+
+
+def test_the_svd_signs_are_canonical_so_quantised_latents_do_not_depend_on_the_machine():
+    """LAPACK may return (u, v) or (-u, -v); flipping a pair must give the same factors back."""
+    from palu.decompose.svd import canonical_svd
+    M = torch.randn(24, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    U, s, Vh = canonical_svd(M)
+    assert torch.allclose((U * s) @ Vh, M, atol=1e-12)
+    assert (U[U.abs().argmax(0), torch.arange(U.shape[1])] > 0).all()
+    flip = torch.tensor([1.0 if i % 3 else -1.0 for i in range(U.shape[1])], dtype=torch.float64)
+    U2, s2, Vh2 = canonical_svd((U * flip * s) @ (Vh * flip[:, None]))   # the same matrix
+    assert torch.allclose(U2, U, atol=1e-10) and torch.allclose(Vh2, Vh, atol=1e-10)
+    # what the sign decides: a flipped latent channel changes the per-token min-max quantisation
+    from palu_kernels.layout import dequantize_latent, quantize_latent
+    h = torch.randn(1, 1, 64, 8, generator=torch.Generator().manual_seed(5))
+    flipped = h.clone()
+    flipped[..., 0] *= -1
+    err = lambda x: (dequantize_latent(quantize_latent(x, 2), torch.float32) - x).pow(2).sum()
+    assert err(h).item() != pytest.approx(err(flipped).item(), rel=1e-3)

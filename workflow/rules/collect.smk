@@ -18,13 +18,15 @@ rule collect_table:
 
 rule rank_allocation_figure:
     input:
-        GRID.ranks_file(GRID.figure_spec()),
+        [GRID.ranks_file(s) for s in GRID.figure_specs()],
     output:
         str(naming.figure_path(R, "rank_allocation")),
     log:
-        log("collect", "rank_allocation"),
+        log("collect", "rank_figure"),
+    params:
+        inputs=lambda w, input: ",".join(input),
     shell:
-        "{PY} -m palu.cli.collect table=rank_allocation 'inputs=[{input}]' out={output} "
+        "{PY} -m palu.cli.collect table=rank_figure 'inputs=[{params.inputs}]' out={output} "
         "{TRACK} > {log} 2>&1"
 
 

@@ -2,7 +2,7 @@ import re
 import sys
 
 from palu.decompose.factors import DECOMPOSITIONS
-from palu.decompose.ranks import RANK_METHODS
+from palu.decompose.ranks import PROBED, RANK_METHODS
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid, KVQuantSpec, PaluSpec
 from palu.tracking import check_tracking

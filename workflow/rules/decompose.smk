@@ -20,7 +20,7 @@ rule ranks_fisher:
     output:
         str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
     wildcard_constraints:
-        method="|".join(m for m in RANK_METHODS if m not in ("uniform", "error_aware")),
+        method="|".join(m for m in RANK_METHODS if m != "uniform" and m not in PROBED),
     log:
         log("ranks", "{method}-k{kept}-g{group}"),
     shell:
@@ -28,19 +28,22 @@ rule ranks_fisher:
 
 
 # error_aware spends ranks against each block's exact truncation error (the whitened spectrum
-# of its weights on the calibration Gram) weighted by the loss's output Fisher
-rule ranks_error_aware:
+# of its weights on the calibration Gram) weighted by the loss's output Fisher; probe_select
+# scores every allocator's ranks on a held-out probe window and keeps the best. Both run the model.
+rule ranks_probed:
     input:
         MODEL_DIR,
         str(naming.fisher_path(W, M, CTAG, FTAG)),
         str(naming.gram_path(W, M, CTAG)),
     output:
-        str(naming.ranks_path(W, M, CTAG, FTAG, "error_aware", "{kept}", "{group}", MULT)),
+        str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
+    wildcard_constraints:
+        method="|".join(PROBED),
     log:
-        log("ranks", "error_aware-k{kept}-g{group}"),
+        log("ranks", "{method}-k{kept}-g{group}"),
+    threads: JOB_THREADS
     shell:
-        "{PY} -m palu.cli.ranks {COMMON} palu.rank_method=error_aware palu.kept_ratio={wildcards.kept} "
-        "palu.group_size={wildcards.group} out={output} > {log} 2>&1"
+        "{PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
 
 
 rule decompose:

@@ -265,19 +265,31 @@ class LatentCache(Cache):
     Palu attention applies on the torch path; a mask sends a decode step there) decides what each
     query sees, so the window is honoured exactly; the bytes count every kept token."""
 
-    def __init__(self, model=None, num_layers: int | None = None, bits: int | None = None,
+    def __init__(self, model=None, num_layers: int | None = None, bits=None,
                  channel_group: int | None = None):
-        if bits is not None and bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits={bits!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
-        if channel_group is not None and (bits is None or not isinstance(channel_group, int)
+        n = num_layers if num_layers is not None else (model.config.num_hidden_layers if model is not None else None)
+        if n is None:
+            raise ValueError("LatentCache needs the model or num_layers")
+        # `bits` one width for every layer, or one per layer (a (rank, bits) byte allocation,
+        # decompose/bit_alloc.py; None in the list: that layer's latents unquantised)
+        per_layer = list(bits) if isinstance(bits, (list, tuple)) else [bits] * n
+        if len(per_layer) != n:
+            raise ValueError(f"bits lists {len(per_layer)} widths for a model of {n} layers")
+        for b in per_layer:
+            if b is not None and b not in SUPPORTED_BITS:
+                raise ValueError(f"bits={b!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
+        quantised = [b for b in per_layer if b is not None]
+        if channel_group is not None and (not quantised or not isinstance(channel_group, int)
                                           or channel_group <= 0):
             raise ValueError(f"channel_group={channel_group!r}: a positive number of latent channels "
                              "per scale, for quantised latents (bits set)")
         if model is not None:
             check_latent_model(model, "LatentCache")
-        n = num_layers if num_layers is not None else model.config.num_hidden_layers
-        super().__init__(layers=[LatentLayer(bits) for _ in range(n)])
-        self.bits, self.channel_group = bits, channel_group
+        super().__init__(layers=[LatentLayer(b) for b in per_layer])
+        self.layer_bits = per_layer
+        # one width for the whole cache, else None (readers that need one width check layer_bits)
+        self.bits = per_layer[0] if len(set(per_layer)) == 1 else None
+        self.channel_group = channel_group
         self._contiguity_memo: dict = {}   # one contiguity check per step, not per layer
 
     def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from ..reporting.figures import latent_outliers_figure, ppl_vs_bytes_figure, rank_allocation_from_file
+from ..reporting.figures import latent_outliers_figure, ppl_vs_bytes_figure, rank_allocation_figures
 from ..reporting.memory_table import write_memory_table
 from ..reporting.tables import build_table, write_table
 from ..reporting.longcontext_table import needle_heatmap, write_longcontext_table
@@ -16,26 +16,30 @@ from .common import entry_point, log, tracked
 TITLES = {
     "baseline": "Baseline perplexity (unmodified model)",
     "granularity": "Palu granularity: M-LRD / G-LRD / J-LRD x kept ratio (uniform ranks)",
-    "rank_search": "Palu rank allocation: uniform vs fisher vs fisher_uniform (vs our tempered fisher_sqrt)",
+    "rank_allocation": "Palu rank allocation: uniform vs the Fisher variants vs error_aware vs probe_select, "
+                       "paired against uniform ranks",
     "latent_bits": "Palu latents stored at 16 / 8 / 4 / 3 / 2 bits (per-token, per-group min-max quantisation)",
     "hadamard": "Latent rotation fused into the factors (none / Walsh-Hadamard / random orthogonal) x latent bits",
     "quantization": "Palu + low-bit latents vs KV-cache quantisation (Atom, KIVI, TurboQuant, KVQuant) "
                     "at the bytes each cache really stores",
     "factors": "Factor objective: whitened SVD vs attention-weighted (values through W_o, keys by "
                "RoPE-averaged query energy), the same uniform ranks",
+    "byte_budget": "(rank, bits) under a byte budget: error_aware_bytes (ranks per block, a latent width "
+                   "per layer) against uniform ranks at one width, at the same latent bytes",
     "recovery": "LoRA recovery: each checkpoint before and after its latent projections are refined "
                 "towards the uncompressed model (same ranks, same cache bytes)",
 }
 NEED_BYTES = {"quantization"}   # tables that compare methods at measured bytes
-FIGURES = {"rank_allocation": rank_allocation_from_file, "ppl_vs_bytes": ppl_vs_bytes_figure}
+FIGURES = {"ppl_vs_bytes": ppl_vs_bytes_figure}
 
 
 # what each output's inputs are, as tracked artifact kinds (default: metrics JSON)
-INPUT_KINDS = {"rank_allocation": "ranks", "ppl_vs_bytes": "table", "cache_memory": "memory",
+INPUT_KINDS = {"rank_figure": "ranks", "ppl_vs_bytes": "table", "cache_memory": "memory",
                "zeroshot": "zeroshot", "longcontext": "longcontext", "needle_heatmap": "longcontext"}
 WRITERS = {"cache_memory": write_memory_table, "zeroshot": write_zeroshot_table,   # own formats
            "longcontext": write_longcontext_table}
-MULTI_FIGURES = {"needle_heatmap": needle_heatmap}    # figures of several result files
+MULTI_FIGURES = {"needle_heatmap": needle_heatmap,    # figures of several result files
+                 "rank_figure": rank_allocation_figures}
 
 
 def _used(cfg, inputs: list[str]) -> dict:

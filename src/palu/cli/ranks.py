@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from safetensors.torch import load_file
 
-from ..decompose.ranks import FISHER_KEY, allocate
+from ..decompose.ranks import FISHER_KEY, PROBED, allocate
 from ..io import write_json
 from ..models.adapters import geometry_of
 from ..models.loading import load_config
@@ -23,23 +23,24 @@ def run(cfg) -> dict:
                                     "run `python -m palu.cli.fisher` first")
         used["fisher"] = str(path)
         stats = load_file(str(path))
-        key = FISHER_KEY[p.rank_method]
-        if key not in stats:
-            raise ValueError(f"{path} has no {key!r} (written before {p.rank_method} existed): run "
+        keys = sorted(set(FISHER_KEY.values())) if p.rank_method == "probe_select" else [FISHER_KEY[p.rank_method]]
+        missing = [k for k in keys if k not in stats]
+        if missing:
+            raise ValueError(f"{path} has no {missing} (written before {p.rank_method} existed): run "
                              "`python -m palu.cli.fisher` again")
-        fisher = stats[key]
+        fisher = stats if p.rank_method == "probe_select" else stats[keys[0]]
     spectra = None
-    if p.rank_method == "error_aware":
+    if p.rank_method in PROBED:
         gram = naming.gram_path_of(cfg)
         if not gram.is_file():
-            raise FileNotFoundError(f"rank method 'error_aware' needs the calibration Gram at {gram}; "
+            raise FileNotFoundError(f"rank method {p.rank_method!r} needs the calibration Gram at {gram}; "
                                     "run `python -m palu.cli.calibrate` first")
         used["gram"] = str(gram)
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
         key_weight, probe = 1.0, None
-        if p.rank_method == "error_aware":
-            from ..decompose.probe import PROBE_WINDOWS, probe_key_weight
+        if p.rank_method in PROBED:
+            from ..decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
             from ..decompose.spectra import spectra_of, whitened_svds
             from ..models.loading import load_model
             model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
@@ -48,13 +49,30 @@ def run(cfg) -> dict:
             # the probe scores the first Fisher windows: text the Gram never saw
             f = cfg.fisher
             windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
-            key_weight, probe = probe_key_weight(model, svds, fisher, p.kept_ratio, p.group_size,
-                                                 p.rank_multiple, windows)
-            for row in probe:
-                log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
-                         row["key_weight"], row["key_share"], row["ppl"])
-        allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher,
-                              spectra, key_weight=key_weight)
+        if p.rank_method == "error_aware_bytes":
+            from ..decompose.bit_alloc import byte_allocation
+            allocation = byte_allocation(model, svds, fisher, p.kept_ratio, p.group_size, p.rank_multiple,
+                                         windows)
+            b = allocation["byte_budget"]
+            log.info("error_aware_bytes: %d of %d bytes per token (%.4f of FP16), widths per layer %s, "
+                     "kept dims %.3f", b["used_bytes_per_token"], b["fp16_bytes_per_token"],
+                     b["ratio_realised"], allocation["bits"], allocation["kept_ratio_realised"])
+        elif p.rank_method == "probe_select":
+            allocation = probe_select(model, svds, fisher, p.kept_ratio, p.group_size, p.rank_multiple,
+                                      windows)
+            for row in allocation["probe"]["candidates"]:
+                log.info("probe_select: %-44s key share %.3f, probe ppl %.3f", row["candidate"],
+                         row["key_share"], row["ppl"])
+            log.info("probe_select chose %s", allocation["selected"])
+        else:
+            if p.rank_method == "error_aware":
+                key_weight, probe = probe_key_weight(model, svds, fisher, p.kept_ratio, p.group_size,
+                                                     p.rank_multiple, windows)
+                for row in probe:
+                    log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
+                             row["key_weight"], row["key_share"], row["ppl"])
+            allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple,
+                                  fisher, spectra, key_weight=key_weight)
         if probe is not None:
             allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
                                    "candidates": probe}

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..models.adapters import adapter_for, geometry_of
-from .ranks import Slot, allocate, ranks_table
+from .ranks import Slot, allocate, blend, ranks_table
 
 KEY_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0)
 PROBE_WINDOWS = 1        # Fisher windows the probe scores (one 2048-token window by default)
@@ -80,3 +80,68 @@ def probe_key_weight(model, svds: dict, fisher: torch.Tensor, kept_ratio: float,
                      "key_share": keys / allocation["latent_size"]})
     best = min(rows, key=lambda r: (r["loss"], r["key_weight"]))
     return best["key_weight"], rows
+
+
+# probe_select's candidates: the other allocators' ranks (error_aware at several key weights;
+# 0.25 reaches the key-starved regime where the Fisher variants win at high compression).
+# fisher_uniform and error_aware at 16 are left out: never the probe's best on SmolLM2 at kept
+# 0.3 / 0.5 (M- and J-LRD), and each candidate costs a forward of the probe window.
+SELECT_CANDIDATES = (("uniform", None), ("fisher", None), ("fisher_sqrt", None), ("fisher_rms", None),
+                     ("error_aware", 0.25), ("error_aware", 1.0), ("error_aware", 4.0))
+
+
+def candidate_name(method: str, key_weight: float | None) -> str:
+    return method if key_weight is None else f"{method}@k{key_weight:g}"
+
+
+# the best candidate's share in the blends probe_select tries (0.25 was never the probe's best on
+# SmolLM2 over kept 0.3 / 0.5 / 0.7 x M- / J-LRD, and each blend costs a probe forward)
+BLEND_WEIGHTS = (0.5, 0.75)
+
+
+def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: int, multiple: int,
+                 windows: torch.Tensor, candidates=SELECT_CANDIDATES, blends=BLEND_WEIGHTS) -> dict:
+    """The allocation with the lowest probe loss among `candidates` ((method, key_weight) pairs;
+    key_weight only for error_aware) and their blends, each scored as its truncated model on
+    `windows` (text the Gram did not see). `stats` holds every Fisher statistic
+    (calib.fisher.collect_fisher). After the candidates, the best one is blended with uniform
+    ranks and with the runner-up at each weight of `blends` (`ranks.blend`: a block's units
+    w * best + (1 - w) * other): on SmolLM2 at kept 0.5 the half-way point between fisher_rms
+    and uniform beats both on both corpora, at kept 0.3 fisher_rms alone wins. Returns the
+    winner's allocation relabelled `probe_select`, with every candidate's loss under "probe"
+    (ties: the earlier candidate). Model selection on held-out calibration text, not a new loss
+    model: it is never worse on the probe than the best allocation it chooses from."""
+    from .ranks import FISHER_KEY
+    if not candidates:
+        raise ValueError("probe_select needs at least one candidate allocator")
+    geom = geometry_of(model.config)
+    spectra = {s: sigma.pow(2) for s, (_, sigma, _) in svds.items()}
+    rows, scored = [], []
+
+    def score(name: str, allocation: dict) -> None:
+        with truncated(model, svds, allocation):
+            loss = probe_loss(model, windows)
+        keys = sum(r["rank"] for r in allocation["ranks"] if r["kind"] == "k")
+        rows.append({"candidate": name, "loss": loss, "ppl": math.exp(loss),
+                     "key_share": keys / allocation["latent_size"]})
+        scored.append((loss, len(scored), name, allocation))
+
+    for method, key_weight in candidates:
+        if method == "probe_select":
+            raise ValueError("probe_select cannot be its own candidate")
+        fisher = None if method == "uniform" else stats[FISHER_KEY[method]]
+        extra = {"key_weight": key_weight} if method == "error_aware" else {}
+        score(candidate_name(method, key_weight),
+              allocate(geom, kept_ratio, group_size, method, multiple, fisher,
+                       spectra if method == "error_aware" else None, **extra))
+    ranked = sorted(scored)
+    (_, _, best, best_alloc) = ranked[0]
+    partners = [(name, a) for _, _, name, a in ranked[1:] if name == "uniform"][:1]
+    partners += [(name, a) for _, _, name, a in ranked[1:2] if name != "uniform"]
+    for name, other in partners:
+        for w in blends:
+            if best_alloc["ranks"] != other["ranks"]:
+                score(f"{best}*{w:g}+{name}", blend(best_alloc, other, w))
+    _, _, name, allocation = min(scored)
+    return {**allocation, "method": "probe_select", "selected": name,
+            "probe": {"windows": int(len(windows)), "seqlen": int(windows.shape[1]), "candidates": rows}}

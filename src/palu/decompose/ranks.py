@@ -4,7 +4,7 @@
 squared gradients); `fisher_rms` is the official Palu code's scoring: the mean over the block's
 weights of each weight's RMS gradient (calib.fisher `rms_fisher`), proportional per group.
 `fisher_sqrt` is our tempered variant (ranks proportional to the square root of the Fisher
-importance): plain proportional allocation starves the keys on small models (see the rank_search
+importance): plain proportional allocation starves the keys on small models (see the rank_allocation
 table), the square root keeps the ordering but flattens the extremes.
 
 `error_aware` allocates from what a rank cut costs rather than from weight sensitivity: a block
@@ -14,6 +14,16 @@ error by its output Fisher lambda (`calib.fisher.output_fisher`). Units of `mult
 at a time to the block whose next unit recovers the most lambda * sum(sigma_i^2), which is the
 optimum of the quadratic loss model because each block's gains only shrink (sigma sorted).
 With equal lambdas it keeps the largest whitened singular values overall.
+
+`probe_select` (decompose/probe.py) is model selection rather than a loss model: it builds every
+allocation above (error_aware at several key weights), scores each truncated model's LM loss on
+probe windows the Gram never saw, and keeps the best. No single loss model wins at every budget on
+SmolLM2 (fisher_rms at kept 0.3, uniform at 0.5; results/tables/rank_allocation.md); the probe
+reads which one does for this model, budget and granularity.
+
+`error_aware_bytes` (decompose/bit_alloc.py) spends a byte budget instead of a dims budget: ranks
+per block and a latent width per layer, its kept ratio read as the fraction of the FP16 cache's
+bytes.
 
 A *slot* is one factorised block: (layer, "k" | "v", group). Ranks are whole multiples of
 `multiple`, each at least one multiple and at most the block's full rank, and their sum equals the
@@ -28,11 +38,16 @@ import torch
 
 from ..models.adapters import Geometry
 
-RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "fisher_rms", "error_aware")
+RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "fisher_rms", "error_aware",
+                "probe_select", "error_aware_bytes")
 
-# which Fisher statistic (calib.fisher) each method weighs blocks by
+# which Fisher statistic (calib.fisher) each method weighs blocks by; probe_select uses them all
 FISHER_KEY = {"fisher": "fisher", "fisher_uniform": "fisher", "fisher_sqrt": "fisher",
-              "fisher_rms": "rms_fisher", "error_aware": "output_fisher"}
+              "fisher_rms": "rms_fisher", "error_aware": "output_fisher",
+              "error_aware_bytes": "output_fisher"}
+# methods that score allocations with the model itself on probe windows (decompose/probe.py), so
+# they need the calibration Gram's whitened factors and the model, not only statistics
+PROBED = ("error_aware", "probe_select", "error_aware_bytes")
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,12 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         raise ValueError(f"kept_ratio={kept_ratio} must lie in (0, 1]")
     if method not in RANK_METHODS:
         raise ValueError(f"rank method {method!r} is not one of {RANK_METHODS}")
+    if method == "probe_select":
+        raise ValueError("rank method 'probe_select' chooses among allocations by the model's probe "
+                         "loss: call palu.decompose.probe.probe_select (or palu.compress)")
+    if method == "error_aware_bytes":
+        raise ValueError("rank method 'error_aware_bytes' allocates (rank, bits) from errors measured "
+                         "on probe windows: call palu.decompose.bit_alloc.byte_allocation (or palu.compress)")
     if method != "uniform" and fisher is None:
         raise ValueError(f"rank method {method!r} needs Fisher scores")
     if method == "error_aware" and spectra is None:
@@ -183,6 +204,22 @@ def _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units) -
         base, extra = divmod(m_units, n_groups)
         units.extend(base + (1 if g < extra else 0) for g in range(n_groups))
     return units
+
+
+def blend(a: dict, b: dict, alpha: float) -> dict:
+    """The allocation between `a` and `b` (same budget and blocks): each block's units
+    alpha * a + (1 - alpha) * b, rounded by largest remainder to the same total, labelled as `a`."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"blend weight {alpha} must lie in [0, 1]")
+    same = ("group_size", "multiple", "original_size", "latent_size")
+    if any(a[k] != b[k] for k in same) or [(r["layer"], r["kind"], r["group"]) for r in a["ranks"]] != \
+            [(r["layer"], r["kind"], r["group"]) for r in b["ranks"]]:
+        raise ValueError("only allocations of the same blocks and budget blend")
+    m = a["multiple"]
+    mixed = [alpha * ra["rank"] / m + (1 - alpha) * rb["rank"] / m for ra, rb in zip(a["ranks"], b["ranks"])]
+    caps = [r["full"] // m for r in a["ranks"]]
+    units = water_fill(mixed, caps, a["latent_size"] // m)
+    return {**a, "ranks": [{**r, "rank": u * m} for r, u in zip(a["ranks"], units)]}
 
 
 def ranks_table(allocation: dict) -> dict[tuple[int, str, int], int]:

@@ -9,7 +9,7 @@ import torch
 
 from ..models.adapters import adapter_for, geometry_of
 from .ranks import Slot, slots
-from .svd import whitening
+from .svd import canonical_svd, whitening
 
 
 @torch.no_grad()
@@ -25,7 +25,7 @@ def whitened_svds(model, grams: torch.Tensor, group_size: int) -> dict[Slot, tup
         for kind, proj in (("k", k), ("v", v)):
             W = proj.weight.double().cpu()
             for g in range(geom.num_kv_heads // group_size):
-                U, sigma, Vh = torch.linalg.svd(W[g * rows:(g + 1) * rows] @ white.S, full_matrices=False)
+                U, sigma, Vh = canonical_svd(W[g * rows:(g + 1) * rows] @ white.S)
                 out[Slot(l, kind, g)] = (U, sigma, Vh @ white.S_inv)
     missing = [s for s in slots(geom, group_size) if s not in out]
     if missing:

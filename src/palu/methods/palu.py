@@ -15,10 +15,13 @@ from ..decompose.checkpoint import load_compressed, read_manifest
 from .base import CacheMethod, MethodError
 
 BITS = (16, 8, 4, 3, 2)   # 16: latents kept in the model's dtype; 3: torch path (no kernels)
+ALLOCATED = "alloc"       # bits: the per-layer widths of the checkpoint's (rank, bits) allocation
 
 
-def bits_tag(bits: int) -> str:
+def bits_tag(bits: int | str) -> str:
     """The suffix a latent bit width adds to a checkpoint's tag ('' for unquantised latents)."""
+    if bits == ALLOCATED:
+        return f"-b{ALLOCATED}"
     return "" if int(bits) == 16 else f"-b{bits}"
 
 
@@ -26,14 +29,16 @@ def bits_tag(bits: int) -> str:
 class Palu(CacheMethod):
     name = "palu"
     checkpoint: Optional[str] = None     # compressed checkpoint folder
-    bits: int = 16                       # latent storage: 16 (model dtype) or 8 / 4 / 3 / 2-bit
+    bits: int | str = 16                 # latent storage: 16 (model dtype), 8 / 4 / 3 / 2-bit, or
+                                         # "alloc": the checkpoint's per-layer widths
     channel_group: Optional[int] = None  # latent channels per scale; None: one scale per group
     _manifest: dict = field(default=None, init=False, repr=False, compare=False)
 
     def check(self) -> None:
-        if self.bits not in BITS:
-            raise MethodError(f"method.bits={self.bits!r} is not one of {list(BITS)}")
-        if self.channel_group is not None and (self.bits == 16 or not isinstance(self.channel_group, int)
+        if self.bits not in BITS and self.bits != ALLOCATED:
+            raise MethodError(f"method.bits={self.bits!r} is not one of {list(BITS)} or {ALLOCATED!r}")
+        if self.channel_group is not None and (self.bits in (16, ALLOCATED)
+                                               or not isinstance(self.channel_group, int)
                                                or self.channel_group <= 0):
             raise MethodError(f"method.channel_group={self.channel_group!r} needs quantised latents "
                               "(bits < 16) and a positive number of channels")
@@ -58,23 +63,58 @@ class Palu(CacheMethod):
     def inputs(self) -> dict[str, str]:
         return {"checkpoint": str(self.checkpoint)}
 
+    def layer_bits(self) -> list[int]:
+        """The latent width of every layer (16: the model's dtype)."""
+        allocation = self.manifest["allocation"]
+        layers = 1 + max(r["layer"] for r in allocation["ranks"])
+        if self.bits != ALLOCATED:
+            return [int(self.bits)] * layers
+        if "bits" not in allocation:
+            raise MethodError(f"method.bits={ALLOCATED!r} needs a checkpoint whose allocation chose "
+                              f"widths (rank method error_aware_bytes); {self.checkpoint} has "
+                              f"{allocation['method']!r} ranks: pass a number")
+        return [int(b) for b in allocation["bits"]]
+
     def install(self, model) -> None:
         self._manifest = load_compressed(model, self.checkpoint)
+        self.layer_bits()    # a bad bits setting fails before any evaluation
 
     def make_cache(self, model):
-        return LatentCache(model, bits=None if self.bits == 16 else self.bits,
-                           channel_group=self.channel_group)
+        widths = [None if b == 16 else b for b in self.layer_bits()]
+        return LatentCache(model, bits=widths, channel_group=self.channel_group)
 
     def cache_nbytes(self, cache) -> dict:
         n = cache.nbytes()
-        return {"data": n["latents"], "metadata": n["scales"] + n["positions"], "total": n["total"],
-                "packed": self.bits != 16}
+        if self.bits != ALLOCATED:
+            return {"data": n["latents"], "metadata": n["scales"] + n["positions"], "total": n["total"],
+                    "packed": self.bits != 16}
+        # mixed widths: layers kept in the model's dtype count as full precision (fp16 in the
+        # tables), packed layers as stored
+        plain = sum(layer.nbytes()["latents"] for layer in cache.layers if layer.bits is None)
+        return {"data": n["latents"] - plain, "metadata": n["scales"] + n["positions"],
+                "full_precision": plain, "total": n["total"], "packed": True}
 
     def summary(self) -> dict:
         allocation = self.manifest["allocation"]
         groups = len({r["group"] for r in allocation["ranks"]})
-        return {**self.manifest["summary"], "kv_bits": self.bits,
-                "num_kv_heads": groups * allocation["group_size"]}
+        widths = self.layer_bits()
+        kept = sum(r["rank"] for r in allocation["ranks"])
+        mean_bits = sum(r["rank"] * widths[r["layer"]] for r in allocation["ranks"]) / kept
+        out = {**self.manifest["summary"], "kv_bits": self.bits if self.bits != ALLOCATED else round(mean_bits, 3),
+               "num_kv_heads": groups * allocation["group_size"]}
+        budget = allocation.get("byte_budget")
+        out["byte_ratio_target"] = (budget["ratio_target"] if budget and self.bits == ALLOCATED
+                                    else round(self._byte_ratio(allocation, widths), 5))
+        return out
+
+    @staticmethod
+    def _byte_ratio(allocation: dict, widths: list[int]) -> float:
+        from ..decompose.bit_alloc import block_bytes
+        heads = len({r["group"] for r in allocation["ranks"]}) * allocation["group_size"]
+        layers = len(widths)
+        head_dim = allocation["ranks"][0]["full"] // allocation["group_size"]
+        used = sum(block_bytes(r["rank"], widths[r["layer"]]) for r in allocation["ranks"])
+        return used / (layers * 2 * heads * head_dim * 2)
 
     def record(self) -> dict:
         return {"name": self.name, "checkpoint": self.checkpoint, "bits": self.bits,

@@ -20,11 +20,11 @@ from ..decompose.checkpoint import rotation_tag
 from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
-         "device", "methods", "granularity", "rank_search", "latent_bits", "hadamard", "rank_figure",
+         "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
          "memory", "quantization", "zeroshot", "longcontext", "job_threads", "factors",
-         "recovery"}
-TABLES = ("baseline", "granularity", "rank_search", "latent_bits", "hadamard", "quantization", "factors",
-          "recovery")
+         "recovery", "byte_budget"}
+TABLES = ("baseline", "granularity", "rank_allocation", "latent_bits", "hadamard", "quantization", "factors",
+          "recovery", "byte_budget")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class PaluSpec:
     rank_method: str
     kept_ratio: float
     group_size: int
-    bits: int = 16
+    bits: int | str = 16       # or "alloc": the per-layer widths of an error_aware_bytes allocation
     rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
     recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
 
@@ -100,16 +100,16 @@ class Grid:
         return OmegaConf.merge({"dtype": "float32"}, OmegaConf.load(path))
 
     def kv_heads(self) -> int:
-        return self._kv_heads
+        return self.geometry.num_kv_heads
 
     @cached_property
-    def _kv_heads(self) -> int:
+    def geometry(self):
         # once per grid: without a prepared model this parses the GGUF file (seconds), and
         # Snakemake asks for the runs in every input function
         from ..models.adapters import geometry_of
         from ..models.loading import load_config
         model_id = naming.model_source(self.work, self.model, self.model_conf().id)
-        return geometry_of(load_config(model_id)).num_kv_heads
+        return geometry_of(load_config(model_id))
 
     def group_sizes(self, value) -> list[int]:
         if value == "all":
@@ -135,8 +135,8 @@ class Grid:
         return [PaluSpec(g["decomposition"], g["rank_method"], float(k), s)
                 for s in self.group_sizes(g["group_sizes"]) for k in g["kept_ratios"]]
 
-    def rank_search_specs(self) -> list[PaluSpec]:
-        r = self.c["rank_search"]
+    def rank_allocation_specs(self) -> list[PaluSpec]:
+        r = self.c["rank_allocation"]
         # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
         sizes = r.get("group_sizes", [r.get("group_size", 1)])
         groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in sizes]
@@ -173,6 +173,26 @@ class Grid:
 
     def recovery_overrides(self) -> str:
         return " ".join(f"recovery.{k}={v}" for k, v in self.recovery_settings().items())
+
+    def byte_budget_specs(self) -> list[PaluSpec]:
+        """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, bits) the
+        uniform checkpoint at that width (the reference) and an error_aware_bytes allocation of
+        exactly its latent bytes (its kept ratio: the byte ratio to FP16, 5 decimals)."""
+        b = self.c.get("byte_budget")
+        if not b:
+            return []
+        from ..decompose.bit_alloc import block_bytes
+        from ..decompose.ranks import allocate
+        group = self.kv_heads() if b["group_size"] == "kv_heads" else int(b["group_size"])
+        geom, out = self.geometry, []
+        fp16 = geom.num_layers * geom.kv_size() * 2
+        for entry in b["budgets"]:
+            kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
+            uniform = allocate(geom, kept, group, "uniform", self.c["rank_multiple"])
+            ratio = round(sum(block_bytes(r["rank"], bits) for r in uniform["ranks"]) / fp16, 5)
+            out += [PaluSpec("whitened", "uniform", kept, group, bits),
+                    PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
+        return out
 
     def recovery_specs(self) -> list[PaluSpec]:
         """Each `recovery.runs` entry (uniform ranks, whitened unless given) before and after LoRA
@@ -365,9 +385,15 @@ class Grid:
         """The tables this grid makes: the baseline always, the others where it has their key."""
         return [t for t in TABLES if t == "baseline" or self.c.get(t)]
 
-    def figure_spec(self) -> PaluSpec:
+    def figure_specs(self) -> list[PaluSpec]:
+        """rank_allocation.png: the allocations of `rank_figure.rank_methods` (or one
+        `rank_method`) at one kept ratio and group size, one panel each."""
         f = self.c["rank_figure"]
-        return PaluSpec("whitened", f["rank_method"], float(f["kept_ratio"]), int(f["group_size"]))
+        methods = f.get("rank_methods", [f["rank_method"]] if "rank_method" in f else [])
+        if not methods:
+            raise ValueError("grid rank_figure needs rank_methods (a list) or rank_method")
+        group = self.kv_heads() if f["group_size"] == "kv_heads" else int(f["group_size"])
+        return [PaluSpec("whitened", m, float(f["kept_ratio"]), group) for m in methods]
 
     def memory_spec(self) -> PaluSpec:
         m = self.c["memory"]
@@ -404,10 +430,10 @@ class Grid:
         """The Palu runs of a table."""
         if table == "baseline":
             return []
-        return {"granularity": self.granularity_specs, "rank_search": self.rank_search_specs,
+        return {"granularity": self.granularity_specs, "rank_allocation": self.rank_allocation_specs,
                 "latent_bits": self.latent_bits_specs, "hadamard": self.hadamard_specs,
                 "quantization": self.quantization_palu_specs, "factors": self.factors_specs,
-                "recovery": self.recovery_specs}[table]()
+                "recovery": self.recovery_specs, "byte_budget": self.byte_budget_specs}[table]()
 
     def table_runs(self, table: str) -> list[str]:
         """Every run of a table by name: FP16, its Palu runs, and its other methods."""

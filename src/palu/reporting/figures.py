@@ -12,35 +12,58 @@ import numpy as np  # noqa: E402
 from ..io import atomic_path, read_json  # noqa: E402
 
 
-def rank_allocation_figure(allocation: dict, out: str | Path, title: str = "") -> None:
-    """Heatmap of the kept-rank fraction per layer for K and V (the paper's Fig. 5 style)."""
+def _kept_fraction(allocation: dict) -> np.ndarray:
+    """(2, layers): kept rank over full rank of the K and V blocks of every layer."""
     layers = 1 + max(r["layer"] for r in allocation["ranks"])
-    frac = np.zeros((2, layers))
-    full = np.zeros((2, layers))
+    frac, full = np.zeros((2, layers)), np.zeros((2, layers))
     for r in allocation["ranks"]:
         row = 0 if r["kind"] == "k" else 1
         frac[row, r["layer"]] += r["rank"]
         full[row, r["layer"]] += r["full"]
-    frac /= full
-    fig, ax = plt.subplots(figsize=(max(6, layers * 0.32), 2.4))
-    im = ax.imshow(frac, aspect="auto", cmap="viridis", vmin=0, vmax=1)
-    ax.set_yticks([0, 1], ["K", "V"])
-    ax.set_xticks(range(layers), [str(i) for i in range(layers)], fontsize=7)
-    ax.set_xlabel("layer")
-    for (i, j), v in np.ndenumerate(frac):
-        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5.5,
-                color="white" if v < 0.6 else "black")
-    fig.colorbar(im, ax=ax, label="kept rank fraction")
-    ax.set_title(title or (f"{allocation['method']} ranks, kept ratio "
-                           f"{allocation['kept_ratio_realised']:.3f}, group size {allocation['group_size']}"))
-    fig.tight_layout()
+    return frac / full
+
+
+def _method_label(allocation: dict) -> str:
+    label = allocation["method"]
+    if allocation.get("selected"):          # probe_select names the allocator it chose
+        label += f" (chose {allocation['selected']})"
+    elif "key_weight" in allocation:
+        label += f" (key weight {allocation['key_weight']:g})"
+    keys = sum(r["rank"] for r in allocation["ranks"] if r["kind"] == "k")
+    return f"{label}: key share {keys / allocation['latent_size']:.2f}"
+
+
+def rank_allocation_figure(allocations: list[dict], out: str | Path) -> None:
+    """Kept-rank fraction per layer for K and V (the paper's Fig. 5 style), one panel per
+    allocation, so allocators at the same budget read side by side."""
+    if not allocations:
+        raise ValueError("rank allocation figure: no allocations")
+    budgets = {(a["kept_ratio_target"], a["group_size"]) for a in allocations}
+    if len(budgets) != 1:
+        raise ValueError(f"rank allocation figure compares one kept ratio and group size; got {sorted(budgets)}")
+    fracs = [_kept_fraction(a) for a in allocations]
+    layers = fracs[0].shape[1]
+    fig, axes = plt.subplots(len(allocations), 1, squeeze=False, layout="constrained",
+                             figsize=(max(6, layers * 0.32), 0.6 + 2.0 * len(allocations)))
+    for ax, a, frac in zip(axes[:, 0], allocations, fracs):
+        im = ax.imshow(frac, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+        ax.set_yticks([0, 1], ["K", "V"])
+        ax.set_xticks(range(layers), [str(i) for i in range(layers)], fontsize=7)
+        for (i, j), v in np.ndenumerate(frac):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5.5,
+                    color="white" if v < 0.6 else "black")
+        ax.set_title(_method_label(a), fontsize=9)
+    axes[-1, 0].set_xlabel("layer")
+    (kept, group), = budgets
+    fig.suptitle(f"kept rank fraction per layer, kept ratio {kept:g}, group size {group}", fontsize=10)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label="kept rank fraction", fraction=0.03)
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=150, format="png")
     plt.close(fig)
 
 
-def rank_allocation_from_file(ranks_json: str | Path, out: str | Path) -> None:
-    rank_allocation_figure(read_json(ranks_json), out)
+def rank_allocation_figures(ranks_jsons: list[str | Path], out: str | Path) -> None:
+    rank_allocation_figure([read_json(p) for p in ranks_jsons], out)
 
 
 def _save(fig, out) -> None:

@@ -46,6 +46,7 @@ def run_row(path: str | Path) -> dict:
         "fisher_samples": m.get("fisher_samples", 0),
         "family": m.get("family") or ("palu" if "kept_ratio_target" in m else m["method"]),
         "kv_bits": m.get("kv_bits", 16),
+        "byte_ratio_target": m.get("byte_ratio_target", math.nan),
         # measured from a real cache at the evaluated length (runs before issue 16 have none)
         **{k: m.get(k, math.nan) for k in BYTES},
         "dtype": m.get("dtype"), "ppl": m["ppl"],
@@ -93,29 +94,41 @@ def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFram
 # Tables that compare variants of one setting pair each row with its reference variant:
 # table -> (column, the reference's value, the columns a row shares with its reference)
 REFERENCES = {
-    "rank_search": ("rank_method", "uniform", ["corpus", "kept_ratio_target", "group_size", "decomposition"]),
+    "rank_allocation": ("rank_method", "uniform", ["corpus", "kept_ratio_target", "group_size", "decomposition"]),
     "factors": ("decomposition", "whitened", ["corpus", "kept_ratio_target", "group_size", "rank_method"]),
     "recovery": ("recovery", "-", ["corpus", "kept_ratio_target", "group_size", "rank_method",
                                    "decomposition"]),
+    # a (rank, bits) allocation against the uniform checkpoint whose latent bytes are its budget
+    "byte_budget": ("rank_method", "uniform", ["corpus", "group_size", "byte_ratio_target"]),
+}
+# what a table's pairs share, where it is not "corpus, kept ratio and granularity"
+PAIRING = {"byte_budget": "same corpus, granularity and latent bytes"}
+# columns a table shows beyond COLUMNS (its pairing reads them)
+EXTRA_COLUMNS = {"byte_budget": ["byte_ratio_target"]}
+# ... and some against a second reference: rank_allocation's own allocators against the paper's
+SECOND_REFERENCES = {
+    "rank_allocation": ("rank_method", "fisher", ["corpus", "kept_ratio_target", "group_size", "decomposition"],
+                        ["uniform"]),
 }
 REF_COLUMNS = ["reference", "diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]
+REF2_COLUMNS = ["reference2", "diff_vs_ref2", "ref2_lo", "ref2_hi", "ref2_significant"]
 
 
 def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, value,
-                            match: list[str]) -> pd.DataFrame:
+                            match: list[str], skip=(), columns=REF_COLUMNS) -> pd.DataFrame:
     """Each row's ppl minus its reference row's (the row with `column == value` and the same
-    `match` columns) on the same token blocks, with a 95% paired interval."""
-    frame = frame.assign(reference=None, diff_vs_ref=math.nan, ref_lo=math.nan, ref_hi=math.nan,
-                         ref_significant=None)
+    `match` columns) on the same token blocks, with a 95% paired interval, into `columns`;
+    rows whose `column` is in `skip` are not paired."""
+    name, diff, lo, hi, sig = columns
+    frame = frame.assign(**{name: None, diff: math.nan, lo: math.nan, hi: math.nan, sig: None})
     refs = frame[frame[column] == value]
     pairs = []
-    for i in frame.index[(frame[column] != value) & (frame["method"] != "fp16")]:
+    for i in frame.index[(frame[column] != value) & (frame["method"] != "fp16") & ~frame[column].isin(skip)]:
         same = refs[(refs[match] == frame.loc[i, match]).all(axis=1)]
         if len(same) == 1:
             pairs.append((i, same.index[0]))
-    for i, j in _write_pairs(frame, [_blocks(p) for p in paths], pairs,
-                             ["diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]):
-        frame.at[i, "reference"] = frame.at[j, "method"]
+    for i, j in _write_pairs(frame, [_blocks(p) for p in paths], pairs, [diff, lo, hi, sig]):
+        frame.at[i, name] = frame.at[j, "method"]
     return frame
 
 
@@ -130,16 +143,22 @@ def build_table(paths: list[str], need_bytes: bool = False, table: str | None = 
         missing = [str(p) for p, r in zip(paths, rows) if not math.isfinite(r["effective_bits"])]
         if missing:
             raise ValueError(f"runs without measured cache bytes (evaluate them again): {missing}")
-    frame = add_paired_differences(pd.DataFrame(rows, columns=COLUMNS[:-4]), paths)
+    columns = COLUMNS[:-4] + EXTRA_COLUMNS.get(table, [])
+    frame = add_paired_differences(pd.DataFrame(rows, columns=columns), paths)
     if table in REFERENCES:
         frame = add_paired_vs_reference(frame, paths, *REFERENCES[table])
+    if table in SECOND_REFERENCES:
+        column, value, match, skip = SECOND_REFERENCES[table]
+        frame = add_paired_vs_reference(frame, paths, column, value, match, skip, REF2_COLUMNS)
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
         raise ValueError(f"runs with the same {key} in one table: {sorted(set(map(str, paths)))}")
-    return frame.sort_values(["corpus", "method", "kept_ratio_target", "group_size"],
+    frame = frame.sort_values(["corpus", "method", "kept_ratio_target", "group_size"],
                              ascending=[True, True, False, True], na_position="first",
                              kind="stable").reset_index(drop=True)
+    frame.attrs["pairing"] = PAIRING.get(table, "same corpus, kept ratio and granularity")
+    return frame
 
 
 def to_markdown(frame: pd.DataFrame, title: str) -> str:
@@ -150,8 +169,9 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
     intervals = frame["ppl_lo"].notna().any()
     if not intervals:
         shown = shown.drop(columns=["ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
-    paired = _paired_section(frame)
-    shown = shown.drop(columns=[c for c in REF_COLUMNS if c in shown])
+    paired = _paired_section(frame, REF_COLUMNS, "the reference variant") + \
+        _paired_section(frame, REF2_COLUMNS, "the second reference")
+    shown = shown.drop(columns=[c for c in REF_COLUMNS + REF2_COLUMNS if c in shown])
     shown["kept_ratio_realised"] = shown["kept_ratio_realised"].map(lambda v: f"{v:.4f}")
     cells = frame.assign(cell=[_cell(r) for _, r in frame.iterrows()]) if intervals else frame
     pivot = cells.pivot_table(index=["method"], columns="corpus", values="cell" if intervals else "ppl",
@@ -171,19 +191,20 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
             f"{shown.to_markdown(index=False)}\n")
 
 
-def _paired_section(frame: pd.DataFrame) -> str:
-    """Each row against its reference variant (REFERENCES): better / worse only where the 95%
-    paired interval excludes 0."""
-    if "diff_vs_ref" not in frame or frame["diff_vs_ref"].isna().all():
+def _paired_section(frame: pd.DataFrame, columns: list[str], what: str) -> str:
+    """Each row against its reference variant (REFERENCES, SECOND_REFERENCES): better / worse
+    only where the 95% paired interval excludes 0."""
+    name, diff, lo, hi, sig = columns
+    if diff not in frame or frame[diff].isna().all():
         return ""
     rows = []
-    for _, r in frame[frame["diff_vs_ref"].notna()].iterrows():
-        verdict = "~ (tie)" if not r["ref_significant"] else ("better" if r["diff_vs_ref"] < 0 else "worse")
-        rows.append({"method": r["method"], "corpus": r["corpus"], "reference": r["reference"],
-                     "Δ ppl": f"{r['diff_vs_ref']:+.2f} [{r['ref_lo']:+.2f}, {r['ref_hi']:+.2f}]",
-                     "verdict": verdict})
-    return ("## Paired against the reference variant\n\nEach row minus its reference (same corpus, "
-            "kept ratio and granularity) on the same token blocks, 95% paired bootstrap interval; "
+    for _, r in frame[frame[diff].notna()].iterrows():
+        verdict = "~ (tie)" if not r[sig] else ("better" if r[diff] < 0 else "worse")
+        rows.append({"method": r["method"], "corpus": r["corpus"], "reference": r[name],
+                     "Δ ppl": f"{r[diff]:+.2f} [{r[lo]:+.2f}, {r[hi]:+.2f}]", "verdict": verdict})
+    pairing = frame.attrs.get("pairing", "same corpus, kept ratio and granularity")
+    return (f"## Paired against {what}\n\nEach row minus its reference ({pairing}) "
+            "on the same token blocks, 95% paired bootstrap interval; "
             "\"better\" / \"worse\" only where the interval excludes 0.\n\n"
             f"{pd.DataFrame(rows).to_markdown(index=False)}\n\n")
 
