@@ -18,10 +18,11 @@ from .calib.gram import collect_grams
 from .config import FisherConfig
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
-from .decompose.checkpoint import checkpoint_tag, rotation_tag, save_compressed, source_hash
+from .decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag, save_compressed, source_hash
 from .decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
 from .decompose.spectra import spectra_of, whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
+from .decompose.heads import permute_statistics
 from .decompose.ranks import FISHER_KEY, PROBED, allocate
 from .models.adapters import geometry_of
 
@@ -70,13 +71,17 @@ class CompressionResult:
 
 
 def build_manifest(model, model_id: str, allocation: dict, decomposition: str, fuse: bool,
-                   report: dict, settings: dict, base_hash: str | None = None) -> dict:
+                   report: dict, settings: dict, base_hash: str | None = None,
+                   head_order: list | None = None) -> dict:
     rotation = report.get("rotation", {"kind": "none", "seed": 0})
     tag = checkpoint_tag(decomposition, allocation["method"], allocation["kept_ratio_target"],
-                         allocation["group_size"], rotation_tag(rotation["kind"], rotation["seed"]))
+                         allocation["group_size"], rotation_tag(rotation["kind"], rotation["seed"])
+                         + head_order_tag(head_order))
     errors = [e["rel_error"] for e in report.get("output_error", [])]
     return {
         "tag": tag, "fuse": fuse, "decomposition": decomposition, "allocation": allocation,
+        # the KV-head order the factors are in (decompose/heads.py); None: the model's own
+        "head_order": head_order,
         "source": {"model_id": model_id, "hash": base_hash or source_hash(model),
                    "model_type": model.config.model_type},
         "settings": settings, "report": report,
@@ -84,9 +89,27 @@ def build_manifest(model, model_id: str, allocation: dict, decomposition: str, f
                     "kept_ratio_realised": allocation["kept_ratio_realised"],
                     "group_size": allocation["group_size"], "rank_method": allocation["method"],
                     "decomposition": decomposition, "rotation": rotation["kind"],
+                    "head_order": "none" if head_order is None else "similarity",
                     "mean_output_error": sum(errors) / len(errors) if errors else None,
                     **{k: v for k, v in settings.items() if not isinstance(v, dict)}},
     }
+
+
+def _reorder(model, grams, group_size: int, head_order: str):
+    """Apply `head_order` to the model in place; the per-layer orders, or None when unchanged."""
+    from .decompose.heads import HEAD_ORDERS, reorder_heads, similarity_orders
+    if head_order not in HEAD_ORDERS:
+        raise ValueError(f"head_order={head_order!r} is not one of {HEAD_ORDERS}")
+    if head_order == "none":
+        return None
+    if grams is None:
+        raise ValueError("head_order='similarity' compares the heads' outputs through the calibration "
+                         "Gram: pass calibration windows or grams=")
+    orders = similarity_orders(model, grams, group_size)
+    if all(o == sorted(o) for o in orders):
+        return None                       # M-LRD, J-LRD, or already grouped by similarity
+    reorder_heads(model, orders)
+    return orders
 
 
 def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, group_size: int = 1,
@@ -95,7 +118,7 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
              model_id: str = "unknown", progress: bool = True, rotation: str = "none",
              rotation_seed: int = 0, grams: torch.Tensor | None = None,
              fisher_stats: dict | None = None, key_weight: float | str = "auto",
-             probe_windows: torch.Tensor | None = None) -> CompressionResult:
+             probe_windows: torch.Tensor | None = None, head_order: str = "none") -> CompressionResult:
     """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
     `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
     the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
@@ -109,13 +132,17 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     quantised cache. `decomposition`: whitened | plain | attention (decompose/metrics.py).
     A sweep over settings passes the statistics once computed instead of recollecting them:
     `grams` = `collect_grams(model, calibration)["gram"]`, `fisher_stats` = `collect_fisher(model,
-    windows)` (both of the *unmodified* model; `calibration` may then be None)."""
+    windows)` (both of the *unmodified* model; `calibration` may then be None).
+    `head_order="similarity"` (G-LRD) first permutes each layer's KV heads so that heads with
+    similar outputs share a group (decompose/heads.py; the same function, recorded in the
+    checkpoint and applied again by `load_compressed`); "none" keeps the model's order."""
     geom = geometry_of(model.config)
     base_hash = source_hash(model)
     if decomposition in NEEDS_GRAM and grams is None:
         if calibration is None:
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
+    orders = _reorder(model, grams, group_size, head_order)
     fisher, spectra, probe = None, None, None
     if rank_method != "uniform":
         stats = fisher_stats
@@ -124,7 +151,9 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
                 raise ValueError(f"rank_method={rank_method!r} needs fisher_windows= (e.g. "
                                  "palu.fisher_data(tokenizer), the pipeline's default windows) or "
                                  "fisher_stats=; the Gram windows are not reused silently")
-            stats = collect_fisher(model, fisher_windows, progress)
+            stats = collect_fisher(model, fisher_windows, progress)   # of the reordered heads
+        elif orders is not None:   # precomputed on the unmodified model: into the new head order
+            stats = permute_statistics(stats, orders)
         fisher = stats if rank_method == "probe_select" else stats[FISHER_KEY[rank_method]]
     if rank_method in PROBED:
         if grams is None:
@@ -156,6 +185,6 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     factors, report = decompose_model(model, allocation, grams, decomposition, progress,
                                       rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
-                              base_hash=base_hash)
+                              base_hash=base_hash, head_order=orders)
     install_palu(model, factors, group_size, fuse=fuse)
     return CompressionResult(allocation, factors, report, manifest)

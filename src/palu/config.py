@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from .data.windows import BOS_SETTINGS
 from .decompose.factors import DECOMPOSITIONS
 from .decompose.ranks import RANK_METHODS
+from .decompose.heads import HEAD_ORDERS
 from .decompose.rotation import ROTATIONS
 
 
@@ -63,12 +64,14 @@ class FisherConfig:
 class PaluConfig:
     kept_ratio: float = 0.5             # latent size / original K+V size ("Palu-50%" = 0.5)
     group_size: int = 1                 # KV heads per factorisation: 1 = M-LRD, all = J-LRD
-    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt | fisher_rms | error_aware
+    rank_method: str = "uniform"        # uniform | fisher | fisher_uniform | fisher_sqrt | fisher_rms |
+                                        # error_aware | probe_select | error_aware_bytes
     decomposition: str = "whitened"     # whitened | plain | attention (output-weighted)
     rank_multiple: int = 8
     fuse: bool = True                   # fold B_v into o_proj (and B_k into q_proj without RoPE)
     rotation: str = "none"              # latent rotation fused into the factors: none | hadamard | random_orthogonal
     rotation_seed: int = 0              # random_orthogonal (and ranks without a known Hadamard order)
+    head_order: str = "none"            # G-LRD: none | similarity (KV heads grouped by output CKA)
 
 
 @dataclass
@@ -208,6 +211,7 @@ _CHOICES = {
     "palu.rank_method": RANK_METHODS,
     "palu.decomposition": DECOMPOSITIONS,
     "palu.rotation": ROTATIONS,
+    "palu.head_order": HEAD_ORDERS,
     "tracking.mode": ("offline", "online", "disabled"),
     "tracking.upload": ("none", "small", "all"),
     "model.dtype": ("float32", "float16", "bfloat16", "float64"),

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from ..compress import build_manifest
 from ..config import to_dict
-from ..decompose.checkpoint import save_compressed
+from ..decompose.checkpoint import save_compressed, source_hash
 from ..decompose.factors import NEEDS_GRAM, decompose_model
 from ..io import read_json, sha256_file
 from ..models.loading import load_model
@@ -44,7 +44,18 @@ def _decompose(cfg, allocation, grams, ranks) -> tuple[dict, dict]:
     """The factors and the checkpoint's manifest."""
     p = cfg.palu
     model, _ = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
+    base_hash = source_hash(model)
     start = time.perf_counter()
+    orders = None
+    if p.head_order != "none":     # G-LRD groups of similar heads (decompose/heads.py)
+        from ..decompose.heads import check_head_order, reorder_heads, similarity_orders
+        from ..models.adapters import geometry_of
+        check_head_order(p.head_order, geometry_of(model.config), p.group_size)
+        if grams is None:
+            raise ValueError("palu.head_order=similarity compares heads through the calibration Gram: "
+                             "use decomposition=whitened or attention")
+        orders = similarity_orders(model, grams, p.group_size)
+        reorder_heads(model, orders)
     factors, report = decompose_model(model, allocation, grams, p.decomposition, cfg.progress,
                                       p.rotation, p.rotation_seed)
     settings = {"calibration": to_dict(cfg.calibration), "fisher": to_dict(cfg.fisher),
@@ -57,7 +68,8 @@ def _decompose(cfg, allocation, grams, ranks) -> tuple[dict, dict]:
                 "inputs": {"ranks": sha256_file(ranks)}}
     if grams is not None:
         settings["inputs"]["gram"] = sha256_file(naming.gram_path_of(cfg))
-    manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings)
+    manifest = build_manifest(model, cfg.model.id, allocation, p.decomposition, p.fuse, report, settings,
+                              base_hash=base_hash, head_order=orders)
     return factors, manifest
 
 

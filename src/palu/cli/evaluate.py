@@ -20,7 +20,7 @@ def check_matches_config(summary: dict, cfg) -> None:
     whose summary has none of these keys is not checked)."""
     wanted = {"kept_ratio_target": cfg.palu.kept_ratio, "group_size": cfg.palu.group_size,
               "rank_method": cfg.palu.rank_method, "decomposition": cfg.palu.decomposition,
-              "rotation": cfg.palu.rotation}
+              "rotation": cfg.palu.rotation, "head_order": cfg.palu.head_order}
     bad = {k: (v, summary[k]) for k, v in wanted.items() if k in summary and summary[k] != v}
     if bad:
         detail = ", ".join(f"{k}: config {a!r} vs checkpoint {b!r}" for k, (a, b) in bad.items())

@@ -15,6 +15,9 @@ def run(cfg) -> dict:
     p = cfg.palu
     geom = geometry_of(load_config(model_path(cfg)))
     geom.check_group_size(p.group_size)
+    from ..decompose.heads import check_head_order
+    check_head_order(p.head_order, geom, p.group_size)
+    reorder = p.head_order != "none" and p.rank_method != "uniform"
     fisher, used = None, {}
     if p.rank_method != "uniform":
         path = naming.fisher_path_of(cfg)
@@ -30,7 +33,7 @@ def run(cfg) -> dict:
                              "`python -m palu.cli.fisher` again")
         fisher = stats if p.rank_method == "probe_select" else stats[keys[0]]
     spectra = None
-    if p.rank_method in PROBED:
+    if p.rank_method in PROBED or reorder:
         gram = naming.gram_path_of(cfg)
         if not gram.is_file():
             raise FileNotFoundError(f"rank method {p.rank_method!r} needs the calibration Gram at {gram}; "
@@ -39,11 +42,21 @@ def run(cfg) -> dict:
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
         key_weight, probe = 1.0, None
+        if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
+            from ..decompose.heads import permute_statistics, reorder_heads, similarity_orders
+            from ..models.loading import load_model
+            model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
+            orders = similarity_orders(model, load_file(used["gram"])["gram"], p.group_size)
+            reorder_heads(model, orders)
+            fisher = (permute_statistics(fisher, orders) if isinstance(fisher, dict)
+                      else permute_statistics({"f": fisher}, orders)["f"])
+            log.info("head order (similarity): %s", orders)
         if p.rank_method in PROBED:
             from ..decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
             from ..decompose.spectra import spectra_of, whitened_svds
             from ..models.loading import load_model
-            model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
+            if not reorder:
+                model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
             svds = whitened_svds(model, load_file(used["gram"])["gram"], p.group_size)
             spectra = spectra_of(svds)
             # the probe scores the first Fisher windows: text the Gram never saw

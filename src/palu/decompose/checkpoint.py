@@ -28,6 +28,11 @@ def rotation_tag(rotation: str, seed: int | str = 0) -> str:
     return "" if rotation == "none" else f"-rot_{rotation}-s{seed}"
 
 
+def head_order_tag(head_order) -> str:
+    """The suffix a similarity head order adds to a checkpoint's tag ('' for the model's own)."""
+    return "" if head_order in (None, "none") else "-heads_similarity"
+
+
 def checkpoint_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str,
                    rotation: str = "") -> str:
     """A checkpoint's name from the settings that make it (`kept_ratio` may be a Snakemake
@@ -127,5 +132,8 @@ def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
     geom = geometry_of(model.config)
     s = manifest["allocation"]["group_size"]
     factors = load_factors(path, geom.num_layers, geom.check_group_size(s))
+    if manifest.get("head_order"):        # the factors are in the reordered heads' order
+        from .heads import reorder_heads
+        reorder_heads(model, manifest["head_order"])
     install_palu(model, factors, s, fuse=manifest["fuse"] if fuse is None else fuse)
     return manifest

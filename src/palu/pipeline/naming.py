@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..decompose.checkpoint import checkpoint_tag, rotation_tag
+from ..decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag
 from ..methods.palu import bits_tag
 
 
@@ -73,9 +73,11 @@ def recovery_tag_of(cfg) -> str:
 
 
 def ranks_path(work: str, model: str, ctag: str, ftag: str, rank_method: str, kept_ratio: float,
-               group_size: int, multiple: int) -> Path:
-    # Uniform ranks depend on neither calibration nor Fisher: one file serves every setting.
-    stem = f"{rank_method}-k{fmt_ratio(kept_ratio)}-g{group_size}-m{multiple}.json"
+               group_size: int, multiple: int, head_order: str = "none") -> Path:
+    # Uniform ranks depend on neither calibration nor Fisher (nor the head order): one file
+    # serves every setting. Per-head statistics follow a similarity head order.
+    order = "" if rank_method == "uniform" else head_order_tag(head_order)
+    stem = f"{rank_method}-k{fmt_ratio(kept_ratio)}-g{group_size}{order}-m{multiple}.json"
     if rank_method == "uniform":
         return Path(work) / "ranks" / model / stem
     return Path(work) / "ranks" / model / ctag / ftag / stem
@@ -168,13 +170,13 @@ def fisher_path_of(cfg) -> Path:
 def ranks_path_of(cfg) -> Path:
     p = cfg.palu
     return ranks_path(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg), fisher_tag_of(cfg),
-                      p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple)
+                      p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, p.head_order)
 
 
 def checkpoint_dir_of(cfg) -> Path:
     p = cfg.palu
     tag = checkpoint_tag(p.decomposition, p.rank_method, p.kept_ratio, p.group_size,
-                         rotation_tag(p.rotation, p.rotation_seed))
+                         rotation_tag(p.rotation, p.rotation_seed) + head_order_tag(p.head_order))
     return checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg),
                           fisher_tag_of(cfg), tag, p.rank_multiple, p.rank_method)
 
