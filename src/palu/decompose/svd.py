@@ -42,8 +42,7 @@ def canonical_svd(M: torch.Tensor):
     """torch.linalg.svd with each singular pair's sign fixed: the entry of largest magnitude of
     every left vector is positive. LAPACK returns (u, v) or (-u, -v) depending on the CPU and
     library build; the product is the same, but a latent channel's sign changes its token's min
-    and max, so per-token quantised latents (and every quantised result) would differ by machine
-    (measured: 1.7% ppl at 2 bits on SmolLM2 J-LRD between two CPUs)."""
+    and max, so per-token quantised latents (and every quantised result) could differ by machine."""
     U, sigma, Vh = torch.linalg.svd(M, full_matrices=False)
     pick = U.abs().argmax(0)
     sign = torch.sign(U[pick, torch.arange(U.shape[1])])
