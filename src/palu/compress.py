@@ -19,8 +19,8 @@ from .config import FisherConfig
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag, save_compressed, source_hash
-from .decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
-from .decompose.spectra import spectra_of, whitened_svds
+from .decompose.probe import PROBE_WINDOWS, allocate_probed
+from .decompose.spectra import whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
 from .decompose.heads import permute_statistics
 from .decompose.ranks import FISHER_KEY, PROBED, allocate
@@ -143,7 +143,7 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
     orders = _reorder(model, grams, group_size, head_order)
-    fisher, spectra, probe = None, None, None
+    fisher = None
     if rank_method != "uniform":
         stats = fisher_stats
         if stats is None:
@@ -159,8 +159,6 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         if grams is None:
             raise ValueError(f"rank_method={rank_method!r} needs decomposition='whitened' (its error "
                              "profiles and probe models are the whitened factors)")
-        svds = whitened_svds(model, grams, group_size)
-        spectra = spectra_of(svds)
         windows = probe_windows if probe_windows is not None else (
             None if fisher_windows is None else fisher_windows[:PROBE_WINDOWS])
         needs_probe = rank_method != "error_aware" or key_weight == "auto"
@@ -168,20 +166,10 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
             raise ValueError(f"{rank_method if rank_method != 'error_aware' else 'key_weight=auto'} "
                              "probes on held-out windows: pass probe_windows= (or fisher_windows=)"
                              + ("" if rank_method != "error_aware" else ", or a numeric key_weight"))
-        if rank_method == "error_aware" and key_weight == "auto":
-            key_weight, probe = probe_key_weight(model, svds, fisher, kept_ratio, group_size, multiple,
-                                                 windows)
-    if rank_method == "error_aware_bytes":   # kept_ratio: the fraction of the FP16 cache's bytes
-        from .decompose.bit_alloc import byte_allocation
-        allocation = byte_allocation(model, svds, fisher, kept_ratio, group_size, multiple, windows)
-    elif rank_method == "probe_select":
-        allocation = probe_select(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+        allocation = allocate_probed(model, whitened_svds(model, grams, group_size), fisher, rank_method,
+                                     kept_ratio, group_size, multiple, windows, key_weight)
     else:
-        extra = {"key_weight": key_weight} if rank_method == "error_aware" else {}
-        allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher, spectra, **extra)
-    if probe is not None:
-        allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
-                               "candidates": probe}
+        allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher)
     factors, report = decompose_model(model, allocation, grams, decomposition, progress,
                                       rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},

@@ -18,7 +18,7 @@ def run(cfg) -> dict:
     from ..decompose.heads import check_head_order
     check_head_order(p.head_order, geom, p.group_size)
     reorder = p.head_order != "none" and p.rank_method != "uniform"
-    fisher, used = None, {}
+    stats, fisher, used = None, None, {}
     if p.rank_method != "uniform":
         path = naming.fisher_path_of(cfg)
         if not path.is_file():
@@ -31,8 +31,6 @@ def run(cfg) -> dict:
         if missing:
             raise ValueError(f"{path} has no {missing} (written before {p.rank_method} existed): run "
                              "`python -m palu.cli.fisher` again")
-        fisher = stats if p.rank_method == "probe_select" else stats[keys[0]]
-    spectra = None
     if p.rank_method in PROBED or reorder:
         gram = naming.gram_path_of(cfg)
         if not gram.is_file():
@@ -41,54 +39,29 @@ def run(cfg) -> dict:
         used["gram"] = str(gram)
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
-        key_weight, probe = 1.0, None
-        if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
-            from ..decompose.heads import permute_statistics, reorder_heads, similarity_orders
+        if p.rank_method in PROBED or reorder:
             from ..models.loading import load_model
             model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
-            orders = similarity_orders(model, load_file(used["gram"])["gram"], p.group_size)
+            grams = load_file(used["gram"])["gram"]
+        if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
+            from ..decompose.heads import permute_statistics, reorder_heads, similarity_orders
+            orders = similarity_orders(model, grams, p.group_size)
             reorder_heads(model, orders)
-            fisher = (permute_statistics(fisher, orders) if isinstance(fisher, dict)
-                      else permute_statistics({"f": fisher}, orders)["f"])
+            stats = permute_statistics(stats, orders)
             log.info("head order (similarity): %s", orders)
+        if stats is not None:
+            fisher = stats if p.rank_method == "probe_select" else stats[FISHER_KEY[p.rank_method]]
         if p.rank_method in PROBED:
-            from ..decompose.probe import PROBE_WINDOWS, probe_key_weight, probe_select
-            from ..decompose.spectra import spectra_of, whitened_svds
-            from ..models.loading import load_model
-            if not reorder:
-                model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
-            svds = whitened_svds(model, load_file(used["gram"])["gram"], p.group_size)
-            spectra = spectra_of(svds)
+            from ..decompose.probe import PROBE_WINDOWS, allocate_probed
+            from ..decompose.spectra import whitened_svds
             # the probe scores the first Fisher windows: text the Gram never saw
             f = cfg.fisher
             windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
-        if p.rank_method == "error_aware_bytes":
-            from ..decompose.bit_alloc import byte_allocation
-            allocation = byte_allocation(model, svds, fisher, p.kept_ratio, p.group_size, p.rank_multiple,
-                                         windows)
-            b = allocation["byte_budget"]
-            log.info("error_aware_bytes: %d of %d bytes per token (%.4f of FP16), widths per layer %s, "
-                     "kept dims %.3f", b["used_bytes_per_token"], b["fp16_bytes_per_token"],
-                     b["ratio_realised"], allocation["bits"], allocation["kept_ratio_realised"])
-        elif p.rank_method == "probe_select":
-            allocation = probe_select(model, svds, fisher, p.kept_ratio, p.group_size, p.rank_multiple,
-                                      windows)
-            for row in allocation["probe"]["candidates"]:
-                log.info("probe_select: %-44s key share %.3f, probe ppl %.3f", row["candidate"],
-                         row["key_share"], row["ppl"])
-            log.info("probe_select chose %s", allocation["selected"])
+            allocation = allocate_probed(model, whitened_svds(model, grams, p.group_size), fisher,
+                                         p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, windows)
+            _log_probe(allocation)
         else:
-            if p.rank_method == "error_aware":
-                key_weight, probe = probe_key_weight(model, svds, fisher, p.kept_ratio, p.group_size,
-                                                     p.rank_multiple, windows)
-                for row in probe:
-                    log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
-                             row["key_weight"], row["key_share"], row["ppl"])
-            allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple,
-                                  fisher, spectra, key_weight=key_weight)
-        if probe is not None:
-            allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
-                                   "candidates": probe}
+            allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher)
         write_json(out, allocation)
         wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
                     "kept_ratio_target": p.kept_ratio})
@@ -96,6 +69,25 @@ def run(cfg) -> dict:
     log.info("%s ranks: kept ratio %.4f (target %.4f) -> %s", p.rank_method,
              allocation["kept_ratio_realised"], p.kept_ratio, out)
     return allocation
+
+
+def _log_probe(allocation: dict) -> None:
+    """What the probe scored, and what it chose."""
+    if allocation["method"] == "error_aware_bytes":
+        b = allocation["byte_budget"]
+        log.info("error_aware_bytes: %d of %d bytes per token (%.4f of FP16), widths per layer %s, "
+                 "kept dims %.3f", b["used_bytes_per_token"], b["fp16_bytes_per_token"],
+                 b["ratio_realised"], allocation["bits"], allocation["kept_ratio_realised"])
+        return
+    for row in allocation.get("probe", {}).get("candidates", []):
+        if "candidate" in row:
+            log.info("probe_select: %-44s key share %.3f, probe ppl %.3f", row["candidate"],
+                     row["key_share"], row["ppl"])
+        else:
+            log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
+                     row["key_weight"], row["key_share"], row["ppl"])
+    if allocation.get("selected"):
+        log.info("probe_select chose %s", allocation["selected"])
 
 
 main = entry_point(run)

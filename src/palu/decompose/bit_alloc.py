@@ -42,6 +42,13 @@ def block_bytes(rank: int, bits: int) -> int:
     return 2 * rank if bits == 16 else packed_width(rank, bits) + SCALE_BYTES
 
 
+def byte_ratio(allocation: dict, widths: list[int]) -> float:
+    """An allocation's latent + scale bytes per token at these per-layer widths over the FP16
+    cache's (2 bytes for each of the `original_size` K/V numbers per token)."""
+    used = sum(block_bytes(r["rank"], widths[r["layer"]]) for r in allocation["ranks"])
+    return used / (2 * allocation["original_size"])
+
+
 @torch.no_grad()
 def projection_inputs(model, windows: torch.Tensor, max_tokens: int = 2048) -> list[torch.Tensor]:
     """Per layer the K/V projections' input (tokens, hidden) in float64 on the probe windows,
@@ -100,18 +107,16 @@ def error_table(svds: dict, inputs: list[torch.Tensor], multiple: int,
     return out
 
 
-def _choose(weights, tables, bit_options, by_layer, mu, multiple):
-    """Per layer the width, per block the units, minimising loss + mu * bytes."""
+def _choose(weights, tables, bit_options, by_layer, mu, costs):
+    """Per layer the width, per block the units, minimising loss + mu * bytes (`costs[j]`: the
+    bytes of every rank at width j)."""
     choice = {}
     for layer, members in by_layer.items():
         best = None
-        for j, b in enumerate(bit_options):
+        for j in range(len(bit_options)):
             total, picks = 0.0, {}
             for i in members:
-                t = tables[i][:, j]
-                cost = torch.tensor([block_bytes((u + 1) * multiple, b) for u in range(len(t))],
-                                    dtype=torch.float64)
-                obj = weights[i] * t + mu * cost
+                obj = weights[i] * tables[i][:, j] + mu * costs[j]
                 u = int(torch.argmin(obj))
                 picks[i] = u
                 total += float(obj[u])
@@ -163,18 +168,21 @@ def allocate_bytes(geom, byte_ratio: float, group_size: int, multiple: int, fish
         raise ValueError(f"byte ratio {byte_ratio} leaves {budget} bytes per token for {len(all_slots)} "
                          f"blocks: less than {floor_bytes} (one rank multiple each at "
                          f"{min(bit_options)} bits); raise it")
+    n_units = block // multiple       # every block has the same full rank
+    costs = [torch.tensor([block_bytes((u + 1) * multiple, b) for u in range(n_units)], dtype=torch.float64)
+             for b in bit_options]
     lo, hi = 0.0, 1.0
-    while _bytes(_choose(weights, table, bit_options, by_layer, hi, multiple), bit_options, multiple) > budget:
+    while _bytes(_choose(weights, table, bit_options, by_layer, hi, costs), bit_options, multiple) > budget:
         hi *= 4
         if hi > 1e30:
             raise RuntimeError("byte allocation found no multiplier meeting the budget")
     for _ in range(60):          # the smallest multiplier whose choice fits
         mid = math.sqrt(lo * hi) if lo > 0 else hi / 1e6
-        if _bytes(_choose(weights, table, bit_options, by_layer, mid, multiple), bit_options, multiple) > budget:
+        if _bytes(_choose(weights, table, bit_options, by_layer, mid, costs), bit_options, multiple) > budget:
             lo = mid
         else:
             hi = mid
-    choice = _choose(weights, table, bit_options, by_layer, hi, multiple)
+    choice = _choose(weights, table, bit_options, by_layer, hi, costs)
     choice = {layer: (j, dict(picks)) for layer, (j, picks) in choice.items()}
     # top up: the move (one block one unit up, or one layer one width up) of best loss per byte
     while True:

@@ -145,3 +145,28 @@ def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     _, _, name, allocation = min(scored)
     return {**allocation, "method": "probe_select", "selected": name,
             "probe": {"windows": int(len(windows)), "seqlen": int(windows.shape[1]), "candidates": rows}}
+
+
+def allocate_probed(model, svds: dict, fisher, method: str, kept_ratio: float, group_size: int,
+                    multiple: int, windows: torch.Tensor | None, key_weight: float | str = "auto") -> dict:
+    """The ranks of a method that scores allocations with the model (ranks.PROBED): error_aware
+    (its key weight probed on `windows` when "auto"), probe_select, error_aware_bytes (its kept
+    ratio: the fraction of the FP16 cache's bytes). `fisher`: the method's statistic (all of them,
+    a dict, for probe_select). What `palu.compress` and the ranks step both call."""
+    if method == "error_aware_bytes":
+        from .bit_alloc import byte_allocation
+        return byte_allocation(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+    if method == "probe_select":
+        return probe_select(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+    if method != "error_aware":
+        raise ValueError(f"rank method {method!r} does not score allocations with the model")
+    probe = None
+    if key_weight == "auto":
+        key_weight, probe = probe_key_weight(model, svds, fisher, kept_ratio, group_size, multiple, windows)
+    allocation = allocate(geometry_of(model.config), kept_ratio, group_size, "error_aware", multiple,
+                          fisher, {s: sigma.pow(2) for s, (_, sigma, _) in svds.items()},
+                          key_weight=key_weight)
+    if probe is not None:
+        allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
+                               "candidates": probe}
+    return allocation

@@ -95,26 +95,20 @@ class Palu(CacheMethod):
                 "full_precision": plain, "total": n["total"], "packed": True}
 
     def summary(self) -> dict:
+        from ..decompose.bit_alloc import byte_ratio
         allocation = self.manifest["allocation"]
         groups = len({r["group"] for r in allocation["ranks"]})
         widths = self.layer_bits()
-        kept = sum(r["rank"] for r in allocation["ranks"])
-        mean_bits = sum(r["rank"] * widths[r["layer"]] for r in allocation["ranks"]) / kept
-        out = {**self.manifest["summary"], "kv_bits": self.bits if self.bits != ALLOCATED else round(mean_bits, 3),
-               "num_kv_heads": groups * allocation["group_size"]}
+        kv_bits = self.bits
+        if self.bits == ALLOCATED:   # the mean width of the kept latents
+            kv_bits = round(sum(r["rank"] * widths[r["layer"]] for r in allocation["ranks"])
+                            / allocation["latent_size"], 3)
         budget = allocation.get("byte_budget")
-        out["byte_ratio_target"] = (budget["ratio_target"] if budget and self.bits == ALLOCATED
-                                    else round(self._byte_ratio(allocation, widths), 5))
-        return out
-
-    @staticmethod
-    def _byte_ratio(allocation: dict, widths: list[int]) -> float:
-        from ..decompose.bit_alloc import block_bytes
-        heads = len({r["group"] for r in allocation["ranks"]}) * allocation["group_size"]
-        layers = len(widths)
-        head_dim = allocation["ranks"][0]["full"] // allocation["group_size"]
-        used = sum(block_bytes(r["rank"], widths[r["layer"]]) for r in allocation["ranks"])
-        return used / (layers * 2 * heads * head_dim * 2)
+        return {**self.manifest["summary"], "kv_bits": kv_bits,
+                "num_kv_heads": groups * allocation["group_size"],
+                # what a byte_budget table pairs rows by: the budget, or these ranks' bytes
+                "byte_ratio_target": (budget["ratio_target"] if budget and self.bits == ALLOCATED
+                                      else round(byte_ratio(allocation, widths), 5))}
 
     def record(self) -> dict:
         return {"name": self.name, "checkpoint": self.checkpoint, "bits": self.bits,

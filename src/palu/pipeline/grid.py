@@ -181,15 +181,14 @@ class Grid:
         b = self.c.get("byte_budget")
         if not b:
             return []
-        from ..decompose.bit_alloc import block_bytes
+        from ..decompose.bit_alloc import byte_ratio
         from ..decompose.ranks import allocate
         group = self.kv_heads() if b["group_size"] == "kv_heads" else int(b["group_size"])
         geom, out = self.geometry, []
-        fp16 = geom.num_layers * geom.kv_size() * 2
         for entry in b["budgets"]:
             kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
             uniform = allocate(geom, kept, group, "uniform", self.c["rank_multiple"])
-            ratio = round(sum(block_bytes(r["rank"], bits) for r in uniform["ranks"]) / fp16, 5)
+            ratio = round(byte_ratio(uniform, [bits] * geom.num_layers), 5)
             out += [PaluSpec("whitened", "uniform", kept, group, bits),
                     PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
         return out

@@ -77,17 +77,17 @@ def _write_pairs(frame: pd.DataFrame, blocks: list, pairs, columns: list[str]) -
     return written
 
 
-def add_paired_differences(frame: pd.DataFrame, paths: list[str]) -> pd.DataFrame:
-    """Each run's ppl minus FP16's on the same corpus and token blocks, with a 95% paired
-    interval; NaN where either run lacks blocks or their blocks differ (other windows)."""
+def add_paired_differences(frame: pd.DataFrame, blocks: list) -> pd.DataFrame:
+    """Each run's ppl minus FP16's on the same corpus and token blocks (`blocks`: each row's
+    `_blocks`), with a 95% paired interval; NaN where either run lacks blocks or their blocks
+    differ (other windows)."""
     frame = frame.assign(diff_vs_fp16=math.nan, diff_lo=math.nan, diff_hi=math.nan, significant=None)
     pairs = []
     for corpus in frame["corpus"].unique():
         ref = frame.index[(frame["corpus"] == corpus) & (frame["method"] == "fp16")]
         if len(ref):
             pairs += [(i, ref[0]) for i in frame.index[(frame["corpus"] == corpus) & (frame["method"] != "fp16")]]
-    _write_pairs(frame, [_blocks(p) for p in paths], pairs,
-                 ["diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
+    _write_pairs(frame, blocks, pairs, ["diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
     return frame
 
 
@@ -114,7 +114,7 @@ REF_COLUMNS = ["reference", "diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"
 REF2_COLUMNS = ["reference2", "diff_vs_ref2", "ref2_lo", "ref2_hi", "ref2_significant"]
 
 
-def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, value,
+def add_paired_vs_reference(frame: pd.DataFrame, blocks: list, column: str, value,
                             match: list[str], skip=(), columns=REF_COLUMNS) -> pd.DataFrame:
     """Each row's ppl minus its reference row's (the row with `column == value` and the same
     `match` columns) on the same token blocks, with a 95% paired interval, into `columns`;
@@ -127,7 +127,7 @@ def add_paired_vs_reference(frame: pd.DataFrame, paths: list[str], column: str, 
         same = refs[(refs[match] == frame.loc[i, match]).all(axis=1)]
         if len(same) == 1:
             pairs.append((i, same.index[0]))
-    for i, j in _write_pairs(frame, [_blocks(p) for p in paths], pairs, [diff, lo, hi, sig]):
+    for i, j in _write_pairs(frame, blocks, pairs, [diff, lo, hi, sig]):
         frame.at[i, name] = frame.at[j, "method"]
     return frame
 
@@ -144,12 +144,13 @@ def build_table(paths: list[str], need_bytes: bool = False, table: str | None = 
         if missing:
             raise ValueError(f"runs without measured cache bytes (evaluate them again): {missing}")
     columns = COLUMNS[:-4] + EXTRA_COLUMNS.get(table, [])
-    frame = add_paired_differences(pd.DataFrame(rows, columns=columns), paths)
+    blocks = [_blocks(p) for p in paths]     # read once, paired against every reference
+    frame = add_paired_differences(pd.DataFrame(rows, columns=columns), blocks)
     if table in REFERENCES:
-        frame = add_paired_vs_reference(frame, paths, *REFERENCES[table])
+        frame = add_paired_vs_reference(frame, blocks, *REFERENCES[table])
     if table in SECOND_REFERENCES:
         column, value, match, skip = SECOND_REFERENCES[table]
-        frame = add_paired_vs_reference(frame, paths, column, value, match, skip, REF2_COLUMNS)
+        frame = add_paired_vs_reference(frame, blocks, column, value, match, skip, REF2_COLUMNS)
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
