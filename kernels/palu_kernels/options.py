@@ -21,7 +21,9 @@ QPROJ_TILES = {                                  # (token tile, pipeline stages,
     "packed": (64, 3, 4),                        # key rank >= 128
     "packed_small": (32, 3, 2),                  # key rank < 128, fp16 unpack
     "packed_small_int8": (32, 3, 4),             # key rank < 128, int8 dots
+    "packed_small_int8_long": (64, 3, 4),        # ... over splits of >= QPROJ_LONG_TILE_MIN_TOKENS
 }
+QPROJ_LONG_TILE_MIN_TOKENS = 1024                # tokens per split (32-token tiles' splits)
 QPROJ_INT_MIN_TOKENS_AT_128_COLUMNS = 1408       # tokens per split for int8 dots at rank 256
 
 
@@ -108,17 +110,22 @@ def one_pass_tiles(kbits: int, vbits: int, rk: int, rv: int, programs: int, sms:
 
 
 def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,
-                  warps: int | None = None, int_keys: bool = False) -> tuple[int, int, int]:
+                  warps: int | None = None, int_keys: bool = False,
+                  tokens_per_split: int = 0) -> tuple[int, int, int]:
     """(token tile, pipeline stages, warps) of the folded-query RoPE scores kernel; None = the
     measured default (`QPROJ_TILES`). fp16 latents feed wgmma from shared memory on two
     warpgroups; packed latents are unpacked in registers and run best on one warpgroup, with
-    short tiles at small key ranks."""
+    short tiles at small key ranks -- except int8 dots over long splits (`tokens_per_split`, as
+    32-token tiles would split the sequence), where 64-token tiles win."""
     if kbits == 16:
         d = QPROJ_TILES["fp16"]
     elif rk >= 128:
         d = QPROJ_TILES["packed"]
+    elif int_keys:
+        long = tokens_per_split >= QPROJ_LONG_TILE_MIN_TOKENS
+        d = QPROJ_TILES["packed_small_int8_long" if long else "packed_small_int8"]
     else:
-        d = QPROJ_TILES["packed_small_int8" if int_keys else "packed_small"]
+        d = QPROJ_TILES["packed_small"]
     return (block_t or d[0], stages or d[1], warps or d[2])
 
 

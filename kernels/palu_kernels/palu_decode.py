@@ -298,8 +298,11 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if qproj:
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
+        # the split length as 32-token tiles would give it (the default splits below)
+        long = triton.cdiv(T, splits or max(1, min(triton.cdiv(T, 4 * 32),
+                                                   triton.cdiv(8 * _sm_count(dev), B * units))))
         qproj_block_t, qproj_stages, qproj_warps = qproj_options(kbits, rk, qproj_block_t,
-                                                                 qproj_stages, qproj_warps, qproj_int)
+                                                                 qproj_stages, qproj_warps, qproj_int, long)
         block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
     splits_arg = splits
     if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each

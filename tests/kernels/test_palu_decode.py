@@ -503,6 +503,8 @@ def test_folded_query_defaults_follow_the_measurements():
     assert qproj_options(4, 64, block_t=16, warps=4) == (16, 3, 4)
     # session 6: int8 key dots where measured faster (4-bit), with 4 warps at rank 64
     assert qproj_options(4, 64, int_keys=True) == (32, 3, 4)
+    assert qproj_options(4, 64, int_keys=True, tokens_per_split=2048) == (64, 3, 4)   # long splits
+    assert qproj_options(4, 64, int_keys=True, tokens_per_split=512) == (32, 3, 4)
     assert qproj_options(4, 256, int_keys=True) == (64, 3, 4)
     L = 65536
     assert qproj_int_default(4, 128, L) and qproj_int_default(4, 32, L)
