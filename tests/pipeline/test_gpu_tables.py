@@ -29,6 +29,22 @@ def test_latency_table_and_figure_from_committed_runs(tmp_path):
     assert (tmp_path / "figures" / "latency_speedup.png").stat().st_size > 10_000
 
 
+def test_a_configuration_timed_twice_keeps_the_newest_run(tmp_path):
+    from palu.io import write_json
+    from palu_bench.report.latency import latency_frame
+
+    def run(created, us, variants):
+        return {"device": "H200", "created": created, "ceilings": {},
+                "rows": [{"variant": v, "shape": "s", "batch": 1, "length": 64, "seconds": us * 1e-6}
+                         for v in variants] + [{"variant": "tune", "shape": "s", "batch": 1, "length": 64}]}
+    old, new = tmp_path / "a-grid.json", tmp_path / "b-retimed.json"
+    write_json(new, run("2026-12-02T10:00:00Z", 30.0, ["palu-x"]))
+    write_json(old, run("2026-11-30T10:00:00Z", 40.0, ["palu-x", "sdpa"]))
+    frame = latency_frame([str(new), str(old)])
+    us = dict(zip(frame["variant"], frame["seconds"] * 1e6))
+    assert us == pytest.approx({"palu-x": 30.0, "sdpa": 40.0})   # the re-timed row wins, the rest stays
+
+
 @pytest.mark.skipif(not DECODE, reason="no committed decode results")
 def test_decode_table_and_memory_figure_from_committed_runs(tmp_path):
     (tmp_path / "tables").mkdir()

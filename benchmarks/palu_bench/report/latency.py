@@ -17,18 +17,19 @@ COLUMNS = ["device", "shape", "batch", "length", "variant", "rope", "split", "gr
 
 
 def latency_frame(paths: list[str]) -> pd.DataFrame:
+    """One row per configuration from the runs in `paths`. A configuration timed by several runs
+    (a later run re-timing the rows a kernel change touched, or the KIVI run's own SDPA) keeps
+    the newest run's row: each row's speed-up is over the SDPA of its own run."""
+    runs = sorted((read_json(p) for p in paths), key=lambda run: run.get("created", ""), reverse=True)
     rows = []
-    for p in paths:
-        run = read_json(p)
+    for run in runs:
         for r in run["rows"]:
             if r.get("variant") == "tune":
                 continue
-            rows.append({**r, "device": run["device"]})
+            rows.append({**r, "device": run["device"], "created": run.get("created", "")})
     if not rows:
         raise ValueError(f"no latency rows in {paths}")
-    frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
-    # a run that times only some variants (e.g. the KIVI peer kernel) also times SDPA for its own
-    # speed-ups; the table keeps the first file's baseline rows (files in name order)
+    frame = pd.DataFrame(rows).reindex(columns=COLUMNS + ["created"])
     frame = frame.drop_duplicates(["shape", "batch", "length", "variant", "split", "group_size",
                                    "bits", "rope"], keep="first")
     return frame.sort_values(["shape", "batch", "length", "variant"], kind="stable").reset_index(drop=True)
@@ -48,7 +49,9 @@ def latency_markdown(frame: pd.DataFrame, ceilings: dict) -> str:
             "channel in 32-token groups, values per token in 32-channel groups, the newest 128 "
             "tokens fp16) through the KIVI peer kernel (`palu_kernels/kivi.py`). Kernel "
             "times are CUDA-graph replays; Palu rows are the attention core only (the fused o_proj "
-            "is not included). Full columns (bytes, FLOPs, TB/s, TFLOP/s, roofline) in latency.csv.\n\n"
+            "is not included). Full columns (bytes, FLOPs, TB/s, TFLOP/s, roofline) in latency.csv. "
+            "A configuration timed by several runs shows the newest run's row (`created` in "
+            "latency.csv); each row's speed-up is over the SDPA of its own run.\n\n"
             f"{head.reset_index().to_markdown(index=False, floatfmt='.1f')}\n\n"
             "## Configurations the kernel rejects\n\n"
             f"{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
