@@ -129,6 +129,12 @@ def _sm_count(dev) -> int:
     return _SMS[key]
 
 
+def _two_pass_splits(T: int, block_t: int, programs: int, dev) -> int:
+    """Default sequence splits of the two-kernel (scores, values) path: enough programs for ~4
+    waves of the SMs (8 per SM over `programs` per split), at least four tiles each."""
+    return max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * _sm_count(dev), programs)))
+
+
 def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
     """(tokens per split, splits): whole tiles per split, no empty split."""
     per_split = triton.cdiv(triton.cdiv(T, splits), block_t) * block_t
@@ -299,15 +305,13 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
         # the split length as 32-token tiles would give it (the default splits below)
-        long = triton.cdiv(T, splits or max(1, min(triton.cdiv(T, 4 * 32),
-                                                   triton.cdiv(8 * _sm_count(dev), B * units))))
-        qproj_block_t, qproj_stages, qproj_warps = qproj_options(kbits, rk, qproj_block_t,
-                                                                 qproj_stages, qproj_warps, qproj_int, long)
+        split_tokens = triton.cdiv(T, splits or _two_pass_splits(T, 32, B * units, dev))
+        qproj_block_t, qproj_stages, qproj_warps = qproj_options(kbits, rk, qproj_block_t, qproj_stages,
+                                                                 qproj_warps, qproj_int, split_tokens)
         block_t = max(block_t, qproj_block_t)   # splits hold whole tiles of both kernels
     splits_arg = splits
-    if splits is None:   # enough programs for ~4 waves of the SMs, at least one tile each
-        sms = _sm_count(dev)
-        splits = max(1, min(triton.cdiv(T, 4 * block_t), triton.cdiv(8 * sms, B * units)))
+    if splits is None:
+        splits = _two_pass_splits(T, block_t, B * units, dev)
     per_split, splits = _even_splits(T, splits, block_t)
     if qproj and not int_told:
         # only the rank-256 choice depends on the split's length, and its tiles are the same

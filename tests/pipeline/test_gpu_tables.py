@@ -40,7 +40,7 @@ def test_a_configuration_timed_twice_keeps_the_newest_run(tmp_path):
     old, new = tmp_path / "a-grid.json", tmp_path / "b-retimed.json"
     write_json(new, run("2026-12-02T10:00:00Z", 30.0, ["palu-x"]))
     write_json(old, run("2026-11-30T10:00:00Z", 40.0, ["palu-x", "sdpa"]))
-    frame = latency_frame([str(new), str(old)])
+    frame = latency_frame([str(old), str(new)])   # name order puts the older run first
     us = dict(zip(frame["variant"], frame["seconds"] * 1e6))
     assert us == pytest.approx({"palu-x": 30.0, "sdpa": 40.0})   # the re-timed row wins, the rest stays
 
