@@ -165,6 +165,14 @@ def kivi_rows(shape_name, shape, B, T, sdpa, cfg, ceil, checks, log=print) -> li
     return rows
 
 
+def best_palu_seconds(rows, shape_name, B, T) -> float:
+    """The fastest timed grid row of a Palu configuration at one point (nan if none ran): tune rows,
+    failed rows and the baselines are not candidates."""
+    times = [x["seconds"] for x in rows if x["variant"].startswith("palu-") and "seconds" in x
+             and (x["shape"], x.get("batch"), x["length"]) == (shape_name, B, T)]
+    return min(times, default=float("nan"))
+
+
 def tune_params(variant) -> dict:
     """palu_decode keyword arguments of one tune variant: the two-pass shorthand
     [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
@@ -213,7 +221,7 @@ def tune(cfg, ceil, log) -> list[dict]:
                 row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
                            rel_err=err)
             except Exception as err:
-                row = {"variant": "tune", **case, "params": str(v), "error": str(err)[:200]}
+                row = {"variant": "tune", "batch": 1, **case, "params": str(v), "error": str(err)[:200]}
             log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us, "
                 f"rel. error {row.get('rel_err', float('nan')):.1e}")
             out.append(row)
@@ -267,7 +275,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
                                 rows.append({"variant": name, "shape": shape_name, "batch": B,
                                              "length": T, "error": f"{type(err).__name__}: {err}"[:300]})
             log(f"{shape_name} B={B} T={T}: sdpa {sdpa * 1e6:.1f} us, best palu "
-                f"{min(x.get('seconds', 1) for x in rows if x['length'] == T and x['batch'] == B and x['shape'] == shape_name) * 1e6:.1f} us")
+                f"{best_palu_seconds(rows, shape_name, B, T) * 1e6:.1f} us")
             torch.cuda.empty_cache()
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "checks": checks, "rows": rows,
               "versions": {"torch": torch.__version__, "triton": triton.__version__,

@@ -1,6 +1,7 @@
 """GPU results -> tables and figures (runs anywhere, from the committed JSON files), and the GPU
 benchmarks' early, clear failures on a machine without a GPU or with a bad configuration."""
 import copy
+import math
 import re
 import subprocess
 import sys
@@ -113,6 +114,22 @@ def test_tune_rows_take_their_own_variants_or_the_shared_list():
     (a, va), (b, vb) = tune_plan(cfg)
     assert a == b == row and va == [{}, {"splits": 8}] and vb == [{"qproj_int": True}]
     assert tune_plan({"shapes": {"s": {}}, "tune": [row]}) == [(row, [{}])]
+
+
+def test_the_best_palu_time_of_a_point_skips_baselines_tune_and_failed_rows():
+    # a failed tune variant's row once had no batch and crashed the run after every timing
+    from palu_bench.latency import best_palu_seconds
+    at = {"shape": "s", "batch": 1, "length": 4096}
+    rows = [{"variant": "sdpa", **at, "seconds": 1e-5},
+            {"variant": "tune", "shape": "s", "length": 4096, "error": "MLIR pass failed"},
+            {"variant": "tune", **at, "seconds": 2e-5},
+            {"variant": "palu-rope-uniform-g1-fp16", **at, "error": "too large"},
+            {"variant": "palu-rope-uniform-g1-fp16", **at, "seconds": 4e-5},
+            {"variant": "palu-rope-uniform-g4-fp16", **at, "seconds": 3e-5},
+            {"variant": "palu-rope-uniform-g4-fp16", **{**at, "batch": 8}, "seconds": 1e-6},
+            {"variant": "palu-rope-uniform-g4-fp16", **{**at, "length": 8192}, "seconds": 1e-6}]
+    assert best_palu_seconds(rows, "s", 1, 4096) == 3e-5
+    assert math.isnan(best_palu_seconds(rows, "t", 1, 4096))
 
 
 def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
