@@ -23,6 +23,7 @@ QPROJ_TILES = {                                  # (token tile, pipeline stages,
     "packed_small_int8": (32, 3, 4),             # key rank < 128, int8 dots
     "packed_small_int8_long": (64, 3, 4),        # ... over splits of >= QPROJ_LONG_TILE_MIN_TOKENS
 }
+QPROJ_PAIR_MIN_RANK = 256                        # fp16 G-LRD keys of this rank: two heads per program
 QPROJ_LONG_TILE_MIN_TOKENS = 1024                # tokens per split (32-token tiles' splits)
 QPROJ_INT_MIN_TOKENS_AT_128_COLUMNS = 1408       # tokens per split for int8 dots at rank 256
 
@@ -127,6 +128,14 @@ def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int |
     else:
         d = QPROJ_TILES["packed_small"]
     return (block_t or d[0], stages or d[1], warps or d[2])
+
+
+def qproj_pair_default(kbits: int, rk: int, units_per_group: int) -> bool:
+    """Whether fp16 folded-query scores run two heads of a group per program when not told: where
+    the heads share a latent tile of rank >= QPROJ_PAIR_MIN_RANK (measured faster: G-LRD-4 and
+    the K25/V75 split's G-LRD-8; slower at group rank 128 and 64 and for M-LRD, whose two heads
+    read two tiles and need more registers than two programs per SM allow)."""
+    return kbits == 16 and rk >= QPROJ_PAIR_MIN_RANK and units_per_group % 2 == 0
 
 
 def _qproj_int_fits(kbits: int, rkp: int) -> bool:

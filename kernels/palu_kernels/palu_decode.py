@@ -25,8 +25,10 @@ from .layout import QuantLatent
 from .combine import _combine
 from .one_pass import _fused_norope
 from .options import (_fused_unfit, _qproj_int_fits, _stored_pad, _values_unfit, one_pass_options,  # noqa: F401
-                      one_pass_tiles, programs_per_sm, qproj_int_default, qproj_options, values_splits)
+                      one_pass_tiles, programs_per_sm, qproj_int_default, qproj_options, qproj_pair_default,
+                      values_splits)
 from .qproj import _scores_qproj
+from .qproj_pair import _scores_qproj_pair
 from .scores import _scores
 from .values import _values
 
@@ -195,7 +197,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 fused_warps: int | None = None, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
-                qproj_warps: int | None = None, qproj_int: bool | None = None) -> torch.Tensor:
+                qproj_warps: int | None = None, qproj_int: bool | None = None,
+                qproj_pair: bool | None = None) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `palu_kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -210,7 +213,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     (`qproj_*=None`: the measured tiles of `qproj_options`; `block_t`, `block_r`, `stages` and
     `warps` are those of `_scores` and `_values`, tuned in benchmarks/NOTES.md; `qproj_int`: packed
     keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
-    `qproj_int_default`);
+    `qproj_int_default`; `qproj_pair`: fp16 latents two heads per program, `_scores_qproj_pair`,
+    None: where measured faster, `qproj_pair_default`);
     `fused_block_t` / `fused_warps=None`: the measured tiles of `one_pass_tiles`;
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
@@ -298,6 +302,13 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if qproj_int and not _qproj_int_fits(kbits, rkp):
         raise ValueError(f"qproj_int needs packed keys with a power-of-two number >= 32 of stored "
                          f"columns (key rank {rk}, {kbits}-bit)")
+    pair_ok = bool(qproj) and kbits == 16 and units % 2 == 0 and units_per_group % 2 in (0, units_per_group)
+    if qproj_pair and not pair_ok:
+        raise ValueError(f"qproj_pair needs the folded-query kernel with fp16 keys and an even number of "
+                         f"heads per group or one (got {kbits}-bit keys, {units_per_group} per group, "
+                         f"{units} heads)")
+    if qproj_pair is None:
+        qproj_pair = pair_ok and qproj_pair_default(kbits, rk, units_per_group)
     if qproj_int and not qproj:
         raise ValueError("qproj_int needs the folded-query kernel (RoPE, one query per KV head, "
                          "contiguous positions, key rank <= 256)")
@@ -323,7 +334,13 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     if block_r is None:   # fp16 RoPE keys: B_k of rank <= 256 stays in registers (measured)
         block_r = 256 if rope and kbits == 16 else 128
     br = _pow2_block(rk // (1 if kbits == 16 else 8 // kbits), block_r)
-    if qproj:
+    if qproj_pair:
+        _scores_qproj_pair[(B * units // 2, splits)](
+            q, kdata, bk, pos0, inv_freq, S, lengths, per_split, scale * LOG2E,
+            q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
+            S.stride(0), S.stride(1), UNITS_PER_GROUP=units_per_group, R=rk, HALF=q.shape[-1] // 2,
+            BLOCK_T=qproj_block_t, NUM_UNITS=units, num_stages=qproj_stages, num_warps=qproj_warps)
+    elif qproj:
         _scores_qproj[(B * units, splits)](
             q, kdata, kscale, kzero, bk, pos0, inv_freq, S, lengths, per_split, scale * LOG2E,
             q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),

@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from palu_kernels.layout import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
 from palu_kernels.palu_decode import (one_pass_options, one_pass_tiles, palu_decode, programs_per_sm,  # noqa: E402
-                                 qproj_int_default, qproj_options, values_splits)
+                                 qproj_int_default, qproj_options, qproj_pair_default, values_splits)
 from palu_kernels.reference import latent_decode_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,6 +162,32 @@ def test_rope_g_lrd_rank_256_folded_scores_and_one_pass_values(bits):
     old = palu_decode(q, hk, hv, splits=2, qproj=False, fused=False, block_t=16, block_r=16,
                       block_rv=16, **kw)
     assert _rel(new, ref) < 5e-3 and _rel(old, ref) < 5e-3
+
+
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_two_heads_per_program_give_the_single_head_scores(s):
+    # fp16 folded-query scores, heads u and u + 1 in one program (their own latent tiles at s = 1,
+    # one shared tile inside a G-LRD group), ragged lengths, positions from two offsets
+    q, hk, hv, bk, _, invf = _case(2, 2, s, 1, 70, rk=64, rv=32, seed=s)
+    kw = dict(scale=0.2, n_rep=1, group_size=s, bk=bk, inv_freq=invf,
+              lengths=torch.tensor([70, 41], device=DEV), position_offset=torch.tensor([3, 4000], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    run = lambda pair: palu_decode(q, hk, hv, qproj=True, qproj_pair=pair, splits=2,  # noqa: E731
+                                   block_t=16, block_rv=16, qproj_block_t=16, **kw)
+    pair, single = run(True), run(False)
+    assert _rel(pair, ref) < 5e-3
+    torch.testing.assert_close(pair, single, rtol=1e-4, atol=1e-5)   # a wrong head or tile: O(1)
+
+
+def test_two_heads_per_program_are_refused_where_heads_do_not_pair():
+    q, hk, hv, bk, _, invf = _case(1, 1, 3, 1, 40, rk=48, rv=32)
+    kw = dict(scale=0.2, n_rep=1, bk=bk, inv_freq=invf, position_offset=torch.tensor([0], device=DEV))
+    with pytest.raises(ValueError, match=r"qproj_pair needs .* \(got 16-bit keys, 3 per group, 3 heads\)"):
+        palu_decode(q, hk, hv, group_size=3, qproj=True, qproj_pair=True, **kw)
+    q, hk, hv, bk, _, invf = _case(1, 2, 2, 1, 40, rk=64, rv=32)
+    kw["bk"], kw["inv_freq"] = bk, invf
+    with pytest.raises(ValueError, match="qproj_pair needs .* 4-bit keys"):
+        palu_decode(q, quantize_latent(hk, 4), hv, group_size=2, qproj=True, qproj_pair=True, **kw)
 
 
 def test_ragged_batch_masks_each_tail_and_strided_cache_layout():
@@ -516,6 +542,11 @@ def test_folded_query_defaults_follow_the_measurements():
     assert not qproj_int_default(4, 128, 32768 // 33) and qproj_int_default(4, 128, 49152 // 33)
     assert qproj_int_default(4, 128, 16384 // 5)                     # batch 8 at 16K: 5 splits
     assert qproj_int_default(4, 64, 4096 // 16) and qproj_int_default(4, 32, 64)
+    # session 19: two heads per program for fp16 groups of rank 256 (G-LRD-4, K25/V75 G-LRD-8);
+    # slower at group rank 128 / 64 and for M-LRD
+    assert qproj_pair_default(16, 256, 4) and qproj_pair_default(16, 256, 8)
+    assert not qproj_pair_default(16, 128, 4) and not qproj_pair_default(16, 64, 2)
+    assert not qproj_pair_default(16, 64, 1) and not qproj_pair_default(4, 256, 4)
 
 
 def test_one_pass_defaults_follow_the_measurements():
