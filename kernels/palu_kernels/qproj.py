@@ -45,6 +45,18 @@ def _int8_fold_dots(n, ah, ch, ia, ic):
 
 
 @triton.jit
+def _tile_angles(INVF, POS0, b, t0, offs_h, BLOCK_T: tl.constexpr):
+    """The angles a tile's cos/sin recurrence starts from: ci, si [BLOCK_T, HALF] of the offsets
+    inside a tile, ca, sa [HALF] of sequence b's first position t0 (advanced tile by tile, see
+    _scores), cb, sb [HALF] of one tile's step."""
+    inv_freq = tl.load(INVF + offs_h)
+    ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
+    p0 = tl.load(POS0 + b).to(tl.float32)
+    return (tl.cos(ang_i), tl.sin(ang_i), tl.cos((p0 + t0) * inv_freq), tl.sin((p0 + t0) * inv_freq),
+            tl.cos(BLOCK_T * inv_freq), tl.sin(BLOCK_T * inv_freq))
+
+
+@triton.jit
 def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk_scale,
                   s_qb, s_qh, s_kb, s_kg, s_kt, s_sb, s_sg, s_st, s_ob, s_oh,
                   UNITS_PER_GROUP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr,
@@ -106,12 +118,7 @@ def _scores_qproj(Q, HK, HKS, HKZ, BK, POS0, INVF, S, LENS, tokens_per_split, qk
             a2, c2, za2, zc2 = _fold_query(b_rows, q1, q2, 2 * RP + cols, HALF, R, 2, BITS)
             a3, c3, za3, zc3 = _fold_query(b_rows, q1, q2, 3 * RP + cols, HALF, R, 3, BITS)
             za, zc = za + za2 + za3, zc + zc2 + zc3
-    inv_freq = tl.load(INVF + offs_h)
-    ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
-    ci, si = tl.cos(ang_i), tl.sin(ang_i)
-    p0 = tl.load(POS0 + b).to(tl.float32)
-    ca, sa = tl.cos((p0 + t0) * inv_freq), tl.sin((p0 + t0) * inv_freq)   # see _scores
-    cb, sb = tl.cos(BLOCK_T * inv_freq), tl.sin(BLOCK_T * inv_freq)
+    ci, si, ca, sa, cb, sb = _tile_angles(INVF, POS0, b, t0, offs_h, BLOCK_T)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end

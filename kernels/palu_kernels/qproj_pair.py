@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .qproj import _fold_query
+from .qproj import _fold_query, _tile_angles
 
 
 @triton.jit
@@ -46,12 +46,7 @@ def _scores_qproj_pair(Q, HK, BK, POS0, INVF, S, LENS, tokens_per_split, qk_scal
     t_end = tl.minimum(t0 + tokens_per_split, length)
     a0, c0 = _head_fold(Q, BK, b, u, s_qb, s_qh, offs_h, cols, UNITS_PER_GROUP, R, HALF)
     a1, c1 = _head_fold(Q, BK, b, u + 1, s_qb, s_qh, offs_h, cols, UNITS_PER_GROUP, R, HALF)
-    inv_freq = tl.load(INVF + offs_h)
-    ang_i = tl.arange(0, BLOCK_T).to(tl.float32)[:, None] * inv_freq[None, :]
-    ci, si = tl.cos(ang_i), tl.sin(ang_i)
-    p0 = tl.load(POS0 + b).to(tl.float32)
-    ca, sa = tl.cos((p0 + t0) * inv_freq), tl.sin((p0 + t0) * inv_freq)   # see _scores
-    cb, sb = tl.cos(BLOCK_T * inv_freq), tl.sin(BLOCK_T * inv_freq)
+    ci, si, ca, sa, cb, sb = _tile_angles(INVF, POS0, b, t0, offs_h, BLOCK_T)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
         t_ok = offs_t < t_end
