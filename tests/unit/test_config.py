@@ -126,3 +126,55 @@ def test_the_recovery_grid(monkeypatch):
     bad = Grid({**grid.c, "recovery": {**grid.c["recovery"], "stesp": 3}})
     with pytest.raises(ValueError, match="stesp"):
         bad.recovery_specs()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "mistral", "gemma3_text"])
+def test_geometry_from_config_json_equals_transformers(tmp_path, family):
+    """The workflow plans from a folder's config.json read as JSON (no transformers import): it
+    gives the Geometry transformers' own config does, and refuses the same families."""
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig,
+                              Qwen2Config)
+    from palu.models.adapters import UnsupportedArchitectureError, geometry_of
+    from palu.models.loading import load_config, load_geometry
+    config = {"llama": LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=32, num_hidden_layers=3),
+              "qwen2": Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                   num_hidden_layers=2),
+              "opt": OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                               ffn_dim=96, word_embed_proj_dim=64),
+              "mistral": MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                                       num_hidden_layers=2),
+              "gemma3_text": Gemma3TextConfig(hidden_size=64, num_attention_heads=4,
+                                              num_key_value_heads=1, head_dim=16)}[family]
+    config.save_pretrained(tmp_path)
+    if family == "gemma3_text":
+        with pytest.raises(UnsupportedArchitectureError, match="gemma3_text"):
+            load_geometry(str(tmp_path))
+        return
+    assert load_geometry(str(tmp_path)) == geometry_of(load_config(str(tmp_path)))
+
+
+def test_job_resources_defaults_overrides_and_errors():
+    """Each model job's scheduler request: the device's defaults, the grid's values, a step's
+    own; a GPU on cuda except for the CPU-only prepare step, always for the GPU benchmarks."""
+    from palu.pipeline.jobs import job_resources, scheduler_resources
+    assert job_resources(None, "cpu", "evaluate").threads == 1
+    assert scheduler_resources(None, "cpu", "evaluate") == {"mem_mb": 6000, "runtime": 60}
+    grid = {"threads": 4, "mem_mb": 32000, "zeroshot": {"runtime": 720}}
+    assert job_resources(grid, "cuda", "zeroshot").runtime == 720
+    assert job_resources(grid, "cuda", "evaluate").runtime == 240
+    assert scheduler_resources(grid, "cuda", "evaluate") == {"mem_mb": 32000, "runtime": 240, "gpu": 1}
+    assert "gpu" not in scheduler_resources(grid, "cuda", "prepare_model")
+    assert scheduler_resources(None, "cpu", "latency")["gpu"] == 1
+    for bad, match in (({"treads": 2}, "treads"), ({"threads": 0}, "threads"),
+                       ({"evaluate": {"mem": 1}}, "evaluate"), ({"mem_mb": "64G"}, "mem_mb")):
+        with pytest.raises(ValueError, match=match):
+            job_resources(bad, "cuda", "evaluate")
+    with pytest.raises(ValueError, match="tpu"):
+        job_resources(None, "tpu", "evaluate")
+
+
+def test_grid_refuses_the_old_thread_key():
+    from palu.pipeline.grid import Grid
+    with pytest.raises(ValueError, match="resources.threads"):
+        Grid({"model": "x", "calibration": {}, "fisher": {}, "job_threads": 2})

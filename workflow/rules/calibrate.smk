@@ -7,7 +7,8 @@ rule calibrate:
         log("calibrate", f"{M}-{CTAG}"),
     benchmark:
         bench("calibrate", f"{M}-{CTAG}")
-    threads: JOB_THREADS
+    threads: threads_of("calibrate")
+    resources: **needs("calibrate")
     shell:
         "{PY} -m palu.cli.calibrate {COMMON} out={output} progress=false > {log} 2>&1"
 
@@ -21,6 +22,7 @@ rule fisher:
         log("fisher", f"{M}-{CTAG}-{FTAG}"),
     benchmark:
         bench("fisher", f"{M}-{CTAG}-{FTAG}")
-    threads: JOB_THREADS
+    threads: threads_of("fisher")
+    resources: **needs("fisher")
     shell:
         "{PY} -m palu.cli.fisher {COMMON} out={output} progress=false > {log} 2>&1"

@@ -1,3 +1,7 @@
+# tables and figures from small result files: where Snakemake runs, never queued on a cluster
+localrules: collect_table, rank_allocation_figure, cache_memory
+
+
 rule collect_table:
     input:
         lambda w: GRID.table_inputs(w.table),
@@ -41,7 +45,8 @@ rule cache_memory_run:
         method=lambda w: GRID.run_overrides(w.run),
         context=config["memory"]["context"],
         corpus=config["memory"]["corpus"],
-    threads: JOB_THREADS
+    threads: threads_of("cache_memory_run")
+    resources: **needs("cache_memory_run")
     shell:
         "{PY} -m palu.cli.generate {COMMON} {params.method} data={params.corpus} "
         "generate.context={params.context} out={output} progress=false "

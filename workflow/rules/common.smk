@@ -17,15 +17,36 @@ COMMON = " ".join(GRID.common_overrides())
 TRACK = f"tracking={GRID.tracking.mode} paths.work={W} paths.results={R}"
 check_tracking(GRID.tracking)
 TABLES = GRID.tables()
-# Threads of every model job (calibration, Fisher, KVQuant, evaluate, zero-shot, long context,
-# generate, decompose). On CPU one by default, so `--cores 2` runs two at once and one job's
-# imports (~8 s of single-threaded start-up) overlap the other's compute (measured: two 4K-token
-# evaluations 33 s in parallel against 41 s one after the other at 2 threads); calibration and
-# Fisher, on the critical path, share the cores with the runs that need neither (FP16, the
-# quantisation baselines). On a GPU every core, i.e. one job at a time, so jobs never share the
-# device's memory. The grid's `job_threads` sets it.
-JOB_THREADS = max(1, min(int(config.get("job_threads", 1 if GRID.device == "cpu" else workflow.cores)),
-                         workflow.cores))
+# What each job asks of its scheduler (src/palu/pipeline/jobs.py, the grid's `resources:` block):
+# a model job (one that loads the model) takes `threads: threads_of(step)` and `resources:
+# **needs(step)` (host memory, wall time, `gpu=1` when the grid's device is cuda); every other job
+# is a local rule (runs where Snakemake runs, never queued on a cluster). On CPU a model job is one
+# thread: `--cores 2` runs two at once, and one job's imports (~8 s single-threaded) overlap the
+# other's compute.
+# Two `local` resources (a limit on what runs in one place, not on what is submitted): `gpu`, so
+# a local run, which drives one GPU, runs its GPU jobs one at a time (`--resources gpu=N` to
+# change that), and `model_jobs`, so the model jobs that the cluster profile bundles into one SLURM
+# job run there one after another with one job's resources (unbounded, Snakemake sums them:
+# four 1-CPU evaluations asked for 4 CPUs and 24 GB). Locally `model_jobs` is the core count,
+# which the one-thread-or-more model jobs never exceed anyway.
+resource_scopes:
+    gpu="local",
+    model_jobs="local",
+
+if "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", 1)
+if "model_jobs" not in workflow.global_resources:
+    workflow.register_resource("model_jobs", workflow.global_resources["_cores"].value or 1)
+
+
+def threads_of(step):
+    return GRID.job_resources(step).threads
+
+
+def needs(step):
+    return {**GRID.scheduler_resources(step), "model_jobs": 1}
+
+
 MODEL_DIR = GRID.prepared_model()
 
 wildcard_constraints:

@@ -1,3 +1,6 @@
+# uniform and Fisher ranks read only the model's config and the Fisher scores (well under a second)
+localrules: ranks_uniform, ranks_fisher
+
 PALU = "palu.rank_method={wildcards.method} palu.kept_ratio={wildcards.kept} palu.group_size={wildcards.group}"
 
 
@@ -41,7 +44,8 @@ rule ranks_probed:
         method="|".join(PROBED),
     log:
         log("ranks", "{method}-k{kept}-g{group}"),
-    threads: JOB_THREADS
+    threads: threads_of("ranks_probed")
+    resources: **needs("ranks_probed")
     shell:
         "{PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
 
@@ -60,7 +64,8 @@ rule decompose:
         log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}"),
     benchmark:
         bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}")
-    threads: JOB_THREADS
+    threads: threads_of("decompose")
+    resources: **needs("decompose")
     params:
         palu=lambda w: GRID.decompose_overrides(spec_of(w)),
     shell:
@@ -84,7 +89,8 @@ if config.get("recovery"):
             log("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}"),
         benchmark:
             bench("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}")
-        threads: JOB_THREADS
+        threads: threads_of("recover")
+        resources: **needs("recover")
         params:
             recovery=GRID.recovery_overrides(),
         shell:

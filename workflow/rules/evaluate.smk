@@ -9,7 +9,8 @@ rule evaluate:
         log("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}"),
     benchmark:
         bench("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}")
-    threads: JOB_THREADS
+    threads: threads_of("evaluate")
+    resources: **needs("evaluate")
     params:
         max_tokens=max_tokens,
         method=lambda w: GRID.run_overrides(w.run),

@@ -10,11 +10,16 @@ LATENCY_TARGETS = ([str(naming.table_prefix(R, "latency")) + ".md"] if LATENCY_J
     [str(naming.table_prefix(R, "decode")) + ".md"] if DECODE_JSON else [])
 
 
+localrules: latency_table, decode_table
+
+
 rule latency:
     output:
         str(LATENCY_DIR / "{device}-{shape}.json"),
     log:
         log("latency", "{device}-{shape}"),
+    threads: threads_of("latency")
+    resources: **needs("latency")
     shell:
         "{PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
@@ -41,6 +46,8 @@ rule decode:
         str(DECODE_DIR / "{device}-llama2-7b.json"),
     log:
         log("decode", "{device}"),
+    threads: threads_of("decode")
+    resources: **needs("decode")
     shell:
         "{PY} -m palu_bench.cli.decode out={output} {BENCH_TRACK} > {log} 2>&1"
 

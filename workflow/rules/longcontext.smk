@@ -21,13 +21,16 @@ if config.get("longcontext"):
             bench("longcontext", "{run}/{suite}")
         # the longest per-run jobs start first, so the run does not end on one of them alone
         priority: 10
-        threads: JOB_THREADS
+        threads: threads_of("longcontext")
+        resources: **needs("longcontext")
         params:
             method=lambda w: GRID.run_overrides(w.run),
             suite=lambda w: GRID.longcontext_overrides(w.suite),
         shell:
             "{PY} -m palu.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
+
+    localrules: longcontext_table, needle_heatmap
 
     rule longcontext_table:
         input:

@@ -18,7 +18,8 @@ if GRID.kvquant_specs():
             log("kvquant_capture", GRID.kvquant_ktag()),
         benchmark:
             bench("kvquant_capture", GRID.kvquant_ktag())
-        threads: JOB_THREADS
+        threads: threads_of("kvquant_capture")
+        resources: **needs("kvquant_capture")
         params:
             kv=GRID.kvquant_overrides(GRID.kvquant_specs()[0]),
         shell:
@@ -37,12 +38,16 @@ if GRID.kvquant_specs():
             log("fit_kvquant", "b{kbits}-{weighting}-o{frac}"),
         benchmark:
             bench("fit_kvquant", "b{kbits}-{weighting}-o{frac}")
-        threads: JOB_THREADS
+        threads: threads_of("fit_kvquant")
+        resources: **needs("fit_kvquant")
         params:
             kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
         shell:
             "{PY} -m palu.cli.fit_kvquant {COMMON} {params.kv} kvquant.activations={input} "
             "out={output} progress=false > {log} 2>&1"
+
+
+localrules: ppl_vs_bytes_figure
 
 
 rule ppl_vs_bytes_figure:
@@ -68,7 +73,8 @@ rule latent_outliers_figure:
     params:
         inputs=lambda w, input: ",".join([input.model, *input.checkpoints]),
         corpus=QUANT.get("figure_corpus", "wiki_standin"),
-    threads: JOB_THREADS
+    threads: threads_of("latent_outliers_figure")
+    resources: **needs("latent_outliers_figure")
     shell:
         "{PY} -m palu.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
         "corpus={params.corpus} out={output} {TRACK} > {log} 2>&1"

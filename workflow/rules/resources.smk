@@ -5,5 +5,7 @@ rule prepare_model:
         log("prepare", "{model}"),
     benchmark:
         bench("prepare", "{model}")
+    threads: threads_of("prepare_model")
+    resources: **needs("prepare_model")
     shell:
         "{PY} -m palu.cli.prepare model={wildcards.model} paths.work={W} tracking={GRID.tracking.mode} out={output} > {log} 2>&1"

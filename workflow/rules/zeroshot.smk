@@ -16,13 +16,16 @@ if config.get("zeroshot"):
             bench("zeroshot", "{run}")
         # the longest per-run jobs start first, so the run does not end on one of them alone
         priority: 10
-        threads: JOB_THREADS
+        threads: threads_of("zeroshot")
+        resources: **needs("zeroshot")
         params:
             method=lambda w: GRID.run_overrides(w.run),
             zeroshot=GRID.zeroshot_overrides(),
         shell:
             "{PY} -m palu.cli.zeroshot {COMMON} {params.method} {params.zeroshot} out={output} "
             "progress=false > {log} 2>&1"
+
+    localrules: zeroshot_table
 
     rule zeroshot_table:
         input:

@@ -92,6 +92,22 @@ def load_config(model_id: str):
     return config
 
 
+def load_geometry(model_id: str):
+    """The attention shapes (`adapters.Geometry`) of a model, for planning work. A local folder's
+    `config.json` is read as JSON: importing transformers' config classes takes seconds, and a
+    workflow plans its DAG once per cluster job (tests/unit/test_config.py checks both paths
+    agree for every family). Anything else goes through `load_config`."""
+    from types import SimpleNamespace
+
+    from .adapters import geometry_of
+    src = resolve_source(model_id)
+    if src.kind != "hf_folder":
+        return geometry_of(load_config(model_id))
+    config = SimpleNamespace(**json.loads((Path(src.path) / "config.json").read_text()))
+    check_supported(config, model_id)
+    return geometry_of(config)
+
+
 def check_supported(config, model_id: str = "") -> None:
     """Every step refuses a family palu has no adapter for, the FP16 baseline included: its
     numbers would come from code paths nobody checked (Gemma-3's BOS, q/k norms and sliding
@@ -116,8 +132,12 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
         kwargs["gguf_file"] = src.gguf_file
     if src.kind == "hub":
         kwargs["local_files_only"] = True
+    tok_kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+    if device != "cpu" and src.kind != "gguf":
+        # straight onto the device, shard by shard: a 7B model never sits whole in host memory
+        kwargs["device_map"] = device
     try:
-        tok = AutoTokenizer.from_pretrained(src.path, **{k: v for k, v in kwargs.items() if k != "dtype"})
+        tok = AutoTokenizer.from_pretrained(src.path, **tok_kwargs)
         model = AutoModelForCausalLM.from_pretrained(src.path, **kwargs)
     except (OSError, ValueError) as err:
         if src.kind == "hub":

@@ -21,7 +21,7 @@ from . import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
-         "memory", "quantization", "zeroshot", "longcontext", "job_threads", "factors",
+         "memory", "quantization", "zeroshot", "longcontext", "resources", "factors",
          "recovery", "byte_budget"}
 TABLES = ("baseline", "granularity", "rank_allocation", "latent_bits", "hadamard", "quantization", "factors",
           "recovery", "byte_budget")
@@ -69,6 +69,9 @@ class KVQuantSpec:
 
 class Grid:
     def __init__(self, config: dict):
+        if "job_threads" in config:
+            raise ValueError("grid key job_threads is now resources.threads (the grid's `resources:` "
+                             "block, src/palu/pipeline/jobs.py)")
         unknown = set(config) - _KEYS
         if unknown:
             raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
@@ -76,6 +79,9 @@ class Grid:
         self.model = config["model"]
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
         self.device = config.get("device", "cpu")
+        from .jobs import MODEL_STEPS
+        for step in MODEL_STEPS:        # a bad device or `resources:` value stops the plan here
+            self.job_resources(step)
         cal, fis = config["calibration"], config["fisher"]
         self.dtype = self.model_conf().dtype
         self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
@@ -93,6 +99,16 @@ class Grid:
         return SimpleNamespace(mode=self.c.get("tracking", "offline"), upload="small",
                                dir=str(Path(self.work) / "wandb"))
 
+    def job_resources(self, step: str):
+        """Threads, host memory and wall time of one model job (`jobs.job_resources`)."""
+        from .jobs import job_resources
+        return job_resources(self.c.get("resources"), self.device, step)
+
+    def scheduler_resources(self, step: str) -> dict:
+        """The Snakemake `resources:` of one model job, a GPU included where it needs one."""
+        from .jobs import scheduler_resources
+        return scheduler_resources(self.c.get("resources"), self.device, step)
+
     def model_conf(self):
         path = Path(CONF_DIR) / "model" / f"{self.model}.yaml"
         if not path.is_file():
@@ -106,10 +122,8 @@ class Grid:
     def geometry(self):
         # once per grid: without a prepared model this parses the GGUF file (seconds), and
         # Snakemake asks for the runs in every input function
-        from ..models.adapters import geometry_of
-        from ..models.loading import load_config
-        model_id = naming.model_source(self.work, self.model, self.model_conf().id)
-        return geometry_of(load_config(model_id))
+        from ..models.loading import load_geometry
+        return load_geometry(naming.model_source(self.work, self.model, self.model_conf().id))
 
     def group_sizes(self, value) -> list[int]:
         if value == "all":

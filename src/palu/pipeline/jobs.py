@@ -1,0 +1,78 @@
+"""What each pipeline job asks of its scheduler: CPU threads, host memory, wall time and a GPU.
+
+One home for the defaults. A grid's `resources:` block overrides them for every model job, and
+per step where it names one:
+
+    resources:
+      threads: 8            # CPU threads of every model job (OMP threads; SLURM --cpus-per-task)
+      mem_mb: 64000         # host memory (SLURM --mem)
+      runtime: 240          # minutes (SLURM --time)
+      zeroshot: {runtime: 720}     # one step's own
+
+A model job is one that loads the model (`MODEL_STEPS`). It asks for one GPU when the grid's
+device is `cuda`; the GPU benchmarks always do. Everything else (tables, figures, the rank
+allocators that only read statistics) runs where Snakemake runs (`localrules`), so it never
+queues on a cluster. On a cluster the settings of the site (partition, account) are Snakemake
+overrides, never part of a grid: see the README's "Run on a cluster".
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+# Steps that load the model, by rule name. `prepare` converts it on the CPU: no GPU.
+MODEL_STEPS = ("prepare_model", "calibrate", "fisher", "ranks_probed", "decompose", "recover",
+               "kvquant_capture", "fit_kvquant", "evaluate", "zeroshot", "longcontext",
+               "cache_memory_run", "latent_outliers_figure")
+CPU_ONLY_STEPS = ("prepare_model",)
+GPU_BENCHMARKS = ("latency", "decode")
+
+
+@dataclass(frozen=True)
+class JobResources:
+    threads: int
+    mem_mb: int
+    runtime: int      # minutes
+
+    def check(self, where: str) -> "JobResources":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"grid {where}.{f.name} must be a positive integer, got {value!r}")
+        return self
+
+
+# Per device: a CPU job is one thread (so `--cores 2` runs two of the embedded model's jobs at
+# once; their resident memory peaks near 1.5 GB); a GPU job holds one GPU and feeds it from a few
+# cores, with the host memory to load a 7B-8B model (README "Run on a cluster": measured needs).
+DEFAULTS = {"cpu": JobResources(threads=1, mem_mb=6000, runtime=60),
+            "cuda": JobResources(threads=8, mem_mb=64000, runtime=240)}
+
+
+def job_resources(grid_resources: dict | None, device: str, step: str) -> JobResources:
+    """The resources of one model job: the device's defaults, then the grid's `resources:`
+    values, then the grid's entry for `step`. Unknown keys and bad values are errors. The GPU
+    benchmarks take the GPU defaults whatever the grid's device."""
+    device = "cuda" if step in GPU_BENCHMARKS else device
+    if device not in DEFAULTS:
+        raise ValueError(f"grid device {device!r} is not one of {sorted(DEFAULTS)}")
+    given = dict(grid_resources or {})
+    names = {f.name for f in fields(JobResources)}
+    per_step = {k: v for k, v in given.items() if k not in names}
+    stray = sorted(set(per_step) - set(MODEL_STEPS) - set(GPU_BENCHMARKS))
+    if stray:
+        raise ValueError(f"grid resources: {stray} are neither settings {sorted(names)} nor model "
+                         f"steps {list(MODEL_STEPS + GPU_BENCHMARKS)}")
+    out = replace(DEFAULTS[device], **{k: given[k] for k in names & set(given)})
+    own = per_step.get(step) or {}
+    if not isinstance(own, dict) or set(own) - names:
+        raise ValueError(f"grid resources.{step} must map some of {sorted(names)} to values, got {own!r}")
+    return replace(out, **own).check(f"resources.{step}" if own else "resources")
+
+
+def scheduler_resources(grid_resources: dict | None, device: str, step: str) -> dict:
+    """The Snakemake `resources:` of a model job (`gpu: 1` where it runs on a GPU; the SLURM
+    plugin turns it into `--gpus=1`)."""
+    r = asdict(job_resources(grid_resources, device, step))
+    del r["threads"]
+    gpu = step in GPU_BENCHMARKS or (device == "cuda" and step not in CPU_ONLY_STEPS)
+    return {**r, **({"gpu": 1} if gpu else {})}
