@@ -20,6 +20,29 @@ from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 
 FISHER_STATS = ("fisher", "rms_fisher", "output_fisher")    # what the fisher step saves
+# float16 gradients flush below 6e-8 (a 7B model's K/V weight gradients sit near there): the loss
+# is multiplied by a power of two before the backward pass and every statistic divided by it
+# after, as mixed-precision training does; a pass that overflows is redone at half the scale.
+# bfloat16 and float32 have float32's range and need none.
+FP16_LOSS_SCALE = 2.0 ** 16
+
+
+def loss_scale(model) -> float:
+    return FP16_LOSS_SCALE if next(model.parameters()).dtype == torch.float16 else 1.0
+
+
+def scaled_backward(loss_fn, grads_of, scale: float, on_retry=None) -> float:
+    """Backward of `scale * loss_fn()`, halving `scale` until every gradient `grads_of()` lists
+    is finite; returns the scale used. `on_retry()` discards what the failed pass accumulated."""
+    while True:
+        (loss_fn() * scale).backward()
+        if scale == 1.0 or all(torch.isfinite(g).all() for g in grads_of()):
+            return scale
+        if scale < 2.0:
+            raise FloatingPointError("non-finite gradients even without loss scaling")
+        scale /= 2
+        if on_retry is not None:
+            on_retry()
 
 
 def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
@@ -42,6 +65,9 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
     outputs = [[torch.zeros(kw.shape[0], dtype=torch.float64, device=kw.device),
                 torch.zeros(vw.shape[0], dtype=torch.float64, device=vw.device)] for kw, vw in weights]
 
+    # this window's output statistics (of the scaled loss), added once its pass is finite
+    window_outputs = [[torch.zeros_like(a) for a in pair] for pair in outputs]
+
     def output_hook(acc):
         def backward(g):       # returns None: the gradient itself is left as it is
             acc.add_(g.double().pow(2).reshape(-1, g.shape[-1]).sum(0))
@@ -51,21 +77,31 @@ def collect_fisher(model, windows: torch.Tensor, progress: bool = True) -> dict:
         return forward
 
     hooks = []
-    for layer, acc in zip(layers, outputs):
+    for layer, acc in zip(layers, window_outputs):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
         hooks += [k.register_forward_hook(output_hook(acc[0])), v.register_forward_hook(output_hook(acc[1]))]
     device = next(model.parameters()).device
-    tokens = 0
+    tokens, scale = 0, loss_scale(model)
+
+    def restart():
+        model.zero_grad(set_to_none=True)
+        for pair in window_outputs:
+            for a in pair:
+                a.zero_()
+
     try:
         for window in steps(windows, "Fisher", "windows", progress):
             batch = window[None].to(device)
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            model.zero_grad(set_to_none=True)
-            loss.backward()
+            restart()
+            scale = scaled_backward(lambda: model(input_ids=batch, labels=batch, use_cache=False).loss,
+                                    lambda: [w.grad for pair in weights for w in pair], scale, restart)
             tokens += batch.numel()
             for acc, pair in zip(squares, weights):
                 for j in range(2):
-                    acc[j] += pair[j].grad.double() ** 2     # on the weights' device
+                    acc[j] += (pair[j].grad.double() / scale) ** 2     # on the weights' device
+            for acc, window_acc in zip(outputs, window_outputs):
+                for j in range(2):
+                    acc[j] += window_acc[j] / scale ** 2
     finally:
         for h in hooks:
             h.remove()

@@ -38,7 +38,7 @@ def _fit(cfg):
         captured = capture_activations(model, windows, fisher=k.weighting == "fisher",
                                        tokens_per_window=k.tokens_per_window, seed=k.seed,
                                        progress=cfg.progress, info=info)
-    return fit_from_activations(captured, k.bits, k.weighting, k.outlier_fraction)
+    return fit_from_activations(captured, k.bits, k.weighting, k.outlier_fraction, device=cfg.device)
 
 
 main = entry_point(run)

@@ -41,7 +41,7 @@ def run(cfg) -> dict:
     with tracked(cfg, "ranks", out, used=used) as wb:
         if p.rank_method in PROBED or reorder:
             from ..models.loading import load_model
-            model, tok = load_model(model_path(cfg), dtype="float32", device="cpu")
+            model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
             grams = load_file(used["gram"])["gram"]
         if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
             from ..decompose.heads import permute_statistics, reorder_heads, similarity_orders

@@ -77,9 +77,11 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     used: dict[str, int] = {}
     dtype = stored_dtype(model)
     layers = adapter.layers(model)
+    device = next(model.parameters()).device   # float64 arithmetic there; factors kept on the CPU
     for l, layer in enumerate(steps(layers, "decompose", "layers", progress)):
         q, k, v, o = adapter.projections(adapter.attention(layer))
-        white = whitening(grams[l]) if method in NEEDS_GRAM else None
+        gram = None if grams is None else grams[l].to(device)
+        white = whitening(gram) if method in NEEDS_GRAM else None
         metrics = None
         if method == "attention":
             metrics = {"k": key_metrics(q.weight.cpu(), grams[l], geom.num_kv_heads, geom.head_dim,
@@ -89,16 +91,16 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                                     "damping": white.damping if white else 0.0})
         lf = LayerFactors()
         for kind, proj in (("k", k), ("v", v)):
-            W = proj.weight.double().cpu()
+            W = proj.weight.double()
             for g in range(n_groups):
                 Wg = W[g * rows:(g + 1) * rows]
                 M = None if metrics is None else block_metric(metrics[kind], g, s)
                 A, B = factorize(Wg, ranks[(l, kind, g)], white, M)
-                getattr(lf, f"A_{kind}").append(A)
-                getattr(lf, f"B_{kind}").append(B)
+                getattr(lf, f"A_{kind}").append(A.cpu())
+                getattr(lf, f"B_{kind}").append(B.cpu())
                 if grams is not None:
                     report["output_error"].append({"layer": l, "kind": kind, "group": g,
-                                                   "rel_error": _output_error(Wg, A, B, grams[l])})
+                                                   "rel_error": _output_error(Wg, A, B, gram)})
         for how in rotate_layer(lf, l, rotation, rotation_seed):
             used[how] = used.get(how, 0) + 1
         factors.append(lf.to(dtype))

@@ -18,15 +18,16 @@ def whitened_svds(model, grams: torch.Tensor, group_size: int) -> dict[Slot, tup
     best rank-r factorisation for the calibration inputs (V = Vh S^-1, the whitened SVD)."""
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
     rows = group_size * geom.head_dim
+    device = next(model.parameters()).device      # float64 where the model runs; kept on the CPU
     out = {}
     for l, layer in enumerate(adapter.layers(model)):
         _, k, v, _ = adapter.projections(adapter.attention(layer))
-        white = whitening(grams[l])
+        white = whitening(grams[l].to(device))
         for kind, proj in (("k", k), ("v", v)):
-            W = proj.weight.double().cpu()
+            W = proj.weight.double()
             for g in range(geom.num_kv_heads // group_size):
                 U, sigma, Vh = canonical_svd(W[g * rows:(g + 1) * rows] @ white.S)
-                out[Slot(l, kind, g)] = (U, sigma, Vh @ white.S_inv)
+                out[Slot(l, kind, g)] = (U.cpu(), sigma.cpu(), (Vh @ white.S_inv).cpu())
     missing = [s for s in slots(geom, group_size) if s not in out]
     if missing:
         raise RuntimeError(f"no spectrum for blocks {missing[:3]}")

@@ -2,7 +2,8 @@
 
 For `y = W x` we return `A` (r x in) and `B` (out x r) with `y ≈ B (A x)`. The whitened variant
 (SVD-LLM) minimises ‖(W - BA) X‖ over calibration inputs X through the Gram G = XᵀX = S Sᵀ.
-All arithmetic is float64.
+All arithmetic is float64, on the device of its inputs (a GPU's float64 units take a 4096-wide
+J-LRD block in a fraction of a second, where a CPU takes minutes).
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def whitening(gram: torch.Tensor, max_tries: int = 6) -> Whitening:
     G = (G + G.T) / 2
     scale = G.diagonal().mean().clamp_min(1e-30).item()
     damping = 0.0
+    eye = torch.eye(len(G), dtype=G.dtype, device=G.device)
     for attempt in range(max_tries):
-        L, info = torch.linalg.cholesky_ex(G + damping * scale * torch.eye(len(G), dtype=G.dtype))
+        L, info = torch.linalg.cholesky_ex(G + damping * scale * eye)
         if info.item() == 0:
-            S_inv = torch.linalg.solve_triangular(L, torch.eye(len(G), dtype=G.dtype), upper=False)
+            S_inv = torch.linalg.solve_triangular(L, eye, upper=False)
             return Whitening(L, S_inv, "cholesky" if damping == 0 else "cholesky_damped", damping)
         damping = 1e-8 * 100 ** attempt
     # Eigen fallback: S = Q Λ^½ is not triangular, but any S with S Sᵀ = G serves.
@@ -61,7 +63,7 @@ def factorize(W: torch.Tensor, rank: int, white: Whitening | None = None,
     W = W.double()
     target = W @ white.S if white is not None else W
     if out_metric is not None:
-        L = torch.linalg.cholesky(out_metric.double()).T          # upper: LᵀL = M
+        L = torch.linalg.cholesky(out_metric.double().to(W.device)).T          # upper: LᵀL = M
         target = L @ target
     U, sigma, Vh = canonical_svd(target)
     root = sigma[:rank].sqrt()

@@ -28,6 +28,7 @@ from ..cache.quant_cache import Schedule
 from ..io import atomic_dir, atomic_path, sha256_file
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
+from ..calib.fisher import loss_scale, scaled_backward
 from ..quant.codebook import lloyd_max
 from ..quant.codecs import KVQuantCodec, top_outliers
 from .base import MethodError
@@ -199,19 +200,23 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
         handles += [k.register_forward_hook(hook((i, "k"))), v.register_forward_hook(hook((i, "v")))]
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
+    scale = loss_scale(model)      # float16 gradients underflow: calib/fisher.py
     try:
         for window in steps(windows, "KVQuant calibration", "windows", progress):
             T = window.numel()
             pick = 1 + torch.randperm(T - 1, generator=gen)[:per_window]
             batch = window[None].to(device)
-            with torch.set_grad_enabled(fisher):
-                out = model(input_ids=batch, labels=batch if fisher else None, use_cache=False)
-                if fisher:
-                    out.loss.backward()
+            if fisher:
+                scale = scaled_backward(
+                    lambda: model(input_ids=batch, labels=batch, use_cache=False).loss,
+                    lambda: [t.grad for t in live.values()], scale, lambda: model.zero_grad(set_to_none=True))
+            else:
+                with torch.no_grad():
+                    model(input_ids=batch, use_cache=False)
             for key, t in live.items():
                 acts[key].append(t.detach()[0, pick].view(-1, H, d).float().cpu())
                 if fisher:
-                    grads[key].append((t.grad[0, pick].view(-1, H, d).float() ** 2).cpu())
+                    grads[key].append(((t.grad[0, pick].view(-1, H, d).double() / scale) ** 2).float().cpu())
             live.clear()
             model.zero_grad(set_to_none=True)
     finally:
@@ -270,11 +275,14 @@ def fit_kvquant(model, windows: torch.Tensor, bits: int = 3, weighting: str = "f
     check_settings(bits, weighting, outlier_fraction)
     captured = capture_activations(model, windows, weighting == "fisher", tokens_per_window, seed,
                                    progress, info)
-    return fit_from_activations(captured, bits, weighting, outlier_fraction)
+    return fit_from_activations(captured, bits, weighting, outlier_fraction,
+                                device=next(model.parameters()).device)
 
 
 def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str,
-                         outlier_fraction: float) -> KVQuantState:
+                         outlier_fraction: float, device: str | torch.device = "cpu") -> KVQuantState:
+    """The codebooks and key ranges of one setting, computed on `device` (a GPU fits a 7B
+    model's 32 layers in seconds) and returned on the CPU."""
     check_settings(bits, weighting, outlier_fraction)
     if weighting == "fisher" and captured.grads is None:
         raise ValueError("weighting=fisher needs activations captured with their gradients (fisher=True)")
@@ -285,12 +293,12 @@ def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str
     key_cb, value_cb, offsets, scales = [], [], [], []
     q = outlier_fraction / 2
     for i in range(n_layers):
-        keys, values = acts[(i, "k")], acts[(i, "v")]
+        keys, values = acts[(i, "k")].to(device), acts[(i, "v")].to(device)
         lo = torch.quantile(keys, q, dim=0) if q > 0 else keys.amin(0)
         hi = torch.quantile(keys, 1 - q, dim=0) if q > 0 else keys.amax(0)
         off, sc = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-6)
-        offsets.append(off.half().float())
-        scales.append(sc.half().float())
+        offsets.append(off.half().float().cpu())
+        scales.append(sc.half().float().cpu())
         # the normalised entries each codebook will code (outliers taken out as at encode time)
         probe = KVQuantCodec(bits, None, k_out, per_channel=True, head_dim=d,
                              channel_offset=[offsets[-1]], channel_scale=[scales[-1]])
@@ -301,9 +309,10 @@ def fit_from_activations(captured: KVQuantActivations, bits: int, weighting: str
             idx, _ = top_outliers(z, k_out)
             kept = torch.ones_like(z, dtype=torch.bool) if idx is None else \
                 torch.ones_like(z, dtype=torch.bool).scatter(-1, idx, False)
-            w = grads[(i, kind)][None].transpose(1, 2)[kept] if weighting == "fisher" else torch.ones(int(kept.sum()))
+            w = (grads[(i, kind)].to(device)[None].transpose(1, 2)[kept] if weighting == "fisher"
+                 else torch.ones(int(kept.sum()), device=z.device))
             # stored and counted as fp16
-            out.append(lloyd_max(z[kept], w + (1e-30 if weighting == "fisher" else 0), 2 ** bits).half().float())
+            out.append(lloyd_max(z[kept], w + (1e-30 if weighting == "fisher" else 0), 2 ** bits).half().float().cpu())
     info = {k: v for k, v in captured.info.items() if k not in ("layers", "fisher")}
     return KVQuantState(bits, weighting, float(outlier_fraction), torch.stack(key_cb), torch.stack(value_cb),
                         torch.stack(offsets), torch.stack(scales),

@@ -18,18 +18,27 @@ def sphere_coordinate_codebook(d: int, bits: int, iterations: int = 300) -> torc
 
 def lloyd_max(x: torch.Tensor, w: torch.Tensor, levels: int, iterations: int = 100) -> torch.Tensor:
     """Weighted 1-D k-means (Lloyd's algorithm) of points x with weights w: `levels` centroids,
-    ascending. Starts from weighted quantiles, so it is deterministic."""
+    ascending. Starts from weighted quantiles, so it is deterministic. Runs on x's device.
+
+    The points are sorted once, so each cell is a contiguous run of them and its mass and moment
+    are differences of two prefix sums: an iteration costs O(levels log n), not O(n) (KVQuant's
+    codebooks at Llama-2-7B shapes fit 33M points per layer; the per-point pass took minutes)."""
     x, w = x.double().flatten(), w.double().flatten().clamp_min(0)
     order = torch.argsort(x)
     x, w = x[order], w[order]
     cdf = torch.cumsum(w, 0) / w.sum()
-    targets = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
+    targets = (torch.arange(levels, dtype=torch.float64, device=x.device) + 0.5) / levels
     c = x[torch.searchsorted(cdf, targets).clamp_max(x.numel() - 1)]
+    zero = x.new_zeros(1)
+    mass_before = torch.cat([zero, torch.cumsum(w, 0)])          # [i]: weight of the i smallest
+    moment_before = torch.cat([zero, torch.cumsum(w * x, 0)])
+    ends = torch.tensor([x.numel()], device=x.device)
     for _ in range(iterations):
         edges = (c[1:] + c[:-1]) / 2
-        cell = torch.searchsorted(edges, x)
-        mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, w)
-        moment = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, w * x)
+        # cell j holds edges[j-1] < x <= edges[j]: the points up to searchsorted(x, edges[j], right)
+        bounds = torch.cat([ends * 0, torch.searchsorted(x, edges, right=True), ends])
+        mass = mass_before[bounds[1:]] - mass_before[bounds[:-1]]
+        moment = moment_before[bounds[1:]] - moment_before[bounds[:-1]]
         new = torch.where(mass > 0, moment / mass.clamp_min(1e-300), c)
         if torch.allclose(new, c, rtol=0, atol=1e-12):
             c = new
