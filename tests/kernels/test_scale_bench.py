@@ -1,0 +1,72 @@
+"""The paper-scale benchmark (benchmarks/palu_bench/scale.py) end to end on a tiny shape on the
+CPU: every step runs through the library functions the pipeline calls and gives a row with no
+error; a step that fails is an error row and the steps that need it are skipped, not run."""
+import json
+
+import pytest
+
+from palu_bench.scale import load_config, run
+
+TINY = {"hidden_size": 128, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 97, "rope_theta": 10000.0, "max_position_embeddings": 128}
+
+
+def _tiny_config(tmp_path):
+    cfg = load_config()
+    cfg.update(shapes={"tiny": TINY}, dtype="float32", device="cpu", scratch=str(tmp_path), seqlen=48,
+               gram_windows=2, fisher_windows=1, eval_windows=1, rank_multiple=8,
+               group_sizes=[1, "kv_heads"], probe_group_size="kv_heads", palu_group_size="kv_heads",
+               kvquant={"windows": 1, "tokens_per_window": 8, "bits": 3, "outlier_fraction": 0.01},
+               zeroshot={"requests": 2, "length": 12})
+    cfg["longcontext"] = {**cfg["longcontext"], "context": 64, "new_tokens": 3}
+    return cfg
+
+
+def test_every_step_runs_at_a_tiny_shape(tmp_path):
+    out = tmp_path / "scale.json"
+    result = run(_tiny_config(tmp_path), out=str(out), log=lambda *_: None)
+    rows = result["rows"]
+    failed = [(r["step"], r["variant"], r["error"]) for r in rows if "error" in r]
+    assert not failed, failed
+    steps = {r["step"] for r in rows}
+    assert {"build", "save", "load", "gram", "fisher", "ranks", "whitened_svds", "decompose",
+            "save_checkpoint", "kvquant_capture", "fit_kvquant", "install", "ppl", "zeroshot",
+            "longcontext"} <= steps
+    methods = {r["variant"] for r in rows if r["step"] == "ppl"}
+    assert methods == {"fp16", "palu-b16", "palu-b4", "palu-b3", "palu-b2", "kivi-b4", "kivi-b2",
+                       "atom-b4", "turboquant-b3", "kvquant-b3"}
+    assert all(r["tokens_per_s"] > 0 for r in rows if "tokens" in r)
+    generated = [r for r in rows if r["step"] == "longcontext"]
+    assert len(generated) == 6 and all(r["new_tokens"] == 3 for r in generated)
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert not list(tmp_path.glob("palu-scale-*"))      # the scratch folder is removed
+
+
+def test_a_failed_step_is_an_error_row_and_its_dependants_are_skipped(tmp_path, monkeypatch):
+    import palu.calib.gram as gram
+    monkeypatch.setattr(gram, "collect_grams", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    cfg = _tiny_config(tmp_path)
+    cfg.update(load=False, methods=[{"name": "fp16"}, {"name": "palu", "bits": 4}])
+    cfg["longcontext"]["methods"] = [{"name": "fp16"}]
+    rows = run(cfg, log=lambda *_: None)["rows"]
+    by = {(r["step"], r["variant"]): r for r in rows}
+    assert by[("gram", "")]["error"] == "RuntimeError: boom"
+    assert by[("decompose", "g1")]["error"].startswith("skipped: needs gram")
+    assert by[("install", "palu-b4")]["error"].startswith("skipped: needs decompose")
+    assert "error" not in by[("ppl", "fp16")] and "error" not in by[("longcontext", "fp16")]
+
+
+def test_bad_settings_fail_before_any_work():
+    cfg = load_config()
+    with pytest.raises(ValueError, match="llama9"):
+        run(cfg, shapes=["llama9"])
+    with pytest.raises(ValueError, match="float8"):
+        run({**cfg, "dtype": "float8"})
+
+
+def test_device_checks_run_and_compare_like_with_like():
+    """`check_devices` (run against the CPU on the GPU host) compares each moved step; CPU vs CPU
+    is the same arithmetic, so every difference is zero."""
+    from palu_bench.scale import check_devices
+    rows = check_devices("cpu", log=lambda *_: None)
+    assert len(rows) == 6 and all(r["rel_diff"] == 0 for r in rows), rows
