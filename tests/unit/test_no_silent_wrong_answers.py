@@ -75,6 +75,18 @@ def test_prepare_checks_the_tokenizer_and_logits_after_reloading(tmp_path, monke
     assert not (tmp_path / "bad").exists()
 
 
+def test_prepare_keeps_a_safetensors_models_own_dtype(tmp_path):
+    """A float16 checkpoint is prepared as float16 (a float32 copy of a 7B model doubled its disk
+    and host memory), bit for bit."""
+    from safetensors.torch import load_file
+    from palu.models import loading
+    src = save_tiny(tiny_llama(0).half(), tiny_tokenizer(), tmp_path / "src")
+    loading.prepare_model(str(src), tmp_path / "prepared")
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "prepared" / "model.safetensors"))
+    assert {t.dtype for t in b.values()} == {torch.float16}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_prepare_refuses_a_copy_with_other_logits(tmp_path, monkeypatch):
     from palu.models import loading
     model, tok = tiny_llama(0), tiny_tokenizer()
