@@ -158,3 +158,33 @@ def test_the_gpu_table_step_logs_its_table_figure_and_plots_to_wandb(tmp_path):
     assert any(k.startswith("latency/speedup_vs_context/") for k in wb.plots)
     assert [u["kind"] for u in wb.used] == ["benchmark"] * len(LATENCY)
     assert {a["type"] for a in wb.made} >= {"table", "figure"}
+
+
+SCALE = sorted(str(p) for p in (ROOT / "results" / "scale").glob("*.json"))
+
+
+@pytest.mark.skipif(not SCALE, reason="no committed paper-scale results")
+def test_scale_table_projects_the_paper_grid_from_its_dag(tmp_path):
+    """Every measured step per shape, and the paper grid's GPU-hours per step kind from its own
+    DAG (a dry run): every model step of the grid is priced, the hours add up to the total."""
+    from palu_bench.cli.table import scale_outputs
+    from palu_bench.report.scale import _newest_per_shape, projection, scale_frame
+    scale_outputs(SCALE, str(tmp_path / "scale"), str(tmp_path / "hours.png"), str(ROOT / "conf/grid/paper.yaml"))
+    md = (tmp_path / "scale.md").read_text()
+    assert "## llama2-7b" in md and "## llama3-8b" in md and "| longcontext kvquant-b3" in md
+    runs = _newest_per_shape(SCALE)
+    proj, notes = projection(scale_frame(SCALE), str(ROOT / "conf/grid/paper.yaml"), "llama2-7b",
+                             runs["llama2-7b"]["shapes"]["llama2-7b"]["config"])
+    assert {"calibrate", "fisher", "ranks_probed", "decompose", "evaluate", "zeroshot", "longcontext"} <= set(proj["step"])
+    assert (proj["gpu_hours"] > 0).all() and proj.loc[proj["step"] == "evaluate", "jobs"].item() > 100
+    total = re.search(r"Total: ([\d.]+) GPU-hours", md).group(1)
+    assert float(total) == pytest.approx(proj["gpu_hours"].sum(), abs=0.05)
+    assert (tmp_path / "hours.png").stat().st_size > 10_000
+
+
+def test_scale_method_labels():
+    from palu_bench.report.scale import method_label
+    assert method_label("palu-whitened-fisher-k0.5-g4-b3/wikitext2-n256-L2048-s0-float16/fisher-n32-L2048-s1-m16") == "palu-b3"
+    assert method_label("palu-whitened-uniform-k0.7-g32/x/y") == "palu-b16"
+    assert method_label("kivi-b2-g32-r128") == "kivi-b2" and method_label("fp16") == "fp16"
+    assert method_label("kvquant-b3-fisher-o0.01/wikitext2-n16") == "kvquant-b3"

@@ -3,14 +3,19 @@
 # so the table rules rebuild the tables and figures on any machine.
 BENCH_TRACK = f"tracking.mode={GRID.tracking.mode} tracking.dir={GRID.tracking.dir}"
 LATENCY_DIR, DECODE_DIR = naming.gpu_results_dir(R, "latency"), naming.gpu_results_dir(R, "decode")
+SCALE_DIR = naming.gpu_results_dir(R, "scale")
 LATENCY_JSON = sorted(str(p) for p in LATENCY_DIR.glob("*.json") if "tune" not in p.name)
 DECODE_JSON = sorted(str(p) for p in DECODE_DIR.glob("*.json"))
+SCALE_JSON = sorted(str(p) for p in SCALE_DIR.glob("*.json"))
+# the grid whose GPU-hours the scale table projects from the measured rates
+PAPER_GRID = "conf/grid/paper.yaml"
 # Tables are default targets only where GPU results exist (committed ones for the default grid).
 LATENCY_TARGETS = ([str(naming.table_prefix(R, "latency")) + ".md"] if LATENCY_JSON else []) + (
-    [str(naming.table_prefix(R, "decode")) + ".md"] if DECODE_JSON else [])
+    [str(naming.table_prefix(R, "decode")) + ".md"] if DECODE_JSON else []) + (
+    [str(naming.table_prefix(R, "scale")) + ".md"] if SCALE_JSON else [])
 
 
-localrules: latency_table, decode_table
+localrules: latency_table, decode_table, scale_table
 
 
 rule latency:
@@ -66,4 +71,35 @@ rule decode_table:
         prefix=str(naming.table_prefix(R, "decode")),
     shell:
         "{PY} -m palu_bench.cli.table table=decode 'inputs=[{params.inputs}]' "
+        "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
+
+
+# Paper scale (palu_bench.scale on a GPU host; one JSON per shape), and the paper grid's projected
+# GPU-hours from its DAG at those rates (results/tables/scale.md)
+rule scale:
+    output:
+        str(SCALE_DIR / "{device}-{shape}.json"),
+    log:
+        log("scale", "{device}-{shape}"),
+    threads: threads_of("scale")
+    resources: **needs("scale")
+    shell:
+        "{PY} -m palu_bench.cli.scale out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
+
+
+rule scale_table:
+    input:
+        SCALE_JSON,
+        PAPER_GRID,
+    output:
+        csv=str(naming.table_prefix(R, "scale")) + ".csv",
+        md=str(naming.table_prefix(R, "scale")) + ".md",
+        fig=str(naming.figure_path(R, "paper_gpu_hours")),
+    log:
+        log("collect", "scale"),
+    params:
+        inputs=",".join(SCALE_JSON),
+        prefix=str(naming.table_prefix(R, "scale")),
+    shell:
+        "{PY} -m palu_bench.cli.table table=scale 'inputs=[{params.inputs}]' grid={PAPER_GRID} "
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"

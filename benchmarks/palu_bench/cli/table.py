@@ -2,8 +2,9 @@
 
     python -m palu_bench.cli.table table=latency 'inputs=[results/latency/h200-llama2-7b.json]' \\
         out=results/tables/latency figure=results/figures/latency_speedup.png
-`table=latency` reads results/latency/*.json, `table=decode` results/decode/*.json; both write
-`<out>.csv`, `<out>.md` and the figure. Only the JSON is read: nothing here needs a GPU.
+`table=latency` reads results/latency/*.json, `table=decode` results/decode/*.json, `table=scale`
+results/scale/*.json (and projects `grid`'s GPU-hours from its DAG); each writes `<out>.csv`,
+`<out>.md` and the figure. Only the JSON is read: nothing here needs a GPU.
 """
 from __future__ import annotations
 
@@ -34,7 +35,19 @@ def decode_outputs(inputs: list[str], prefix: str, figure: str):
     return frame
 
 
-TABLES = {"latency": latency_outputs, "decode": decode_outputs}
+def scale_outputs(inputs: list[str], prefix: str, figure: str, grid: str):
+    from ..report.scale import (_newest_per_shape, grid_shape, hours_figure, projection, scale_frame,
+                                scale_markdown)
+    frame, runs = scale_frame(inputs), _newest_per_shape(inputs)
+    shape = grid_shape(grid, runs)
+    proj, notes = projection(frame, grid, shape, runs[shape]["shapes"][shape]["config"])
+    write_text(f"{prefix}.csv", frame.drop(columns=["resident_before_bytes"], errors="ignore").to_csv(index=False))
+    write_text(f"{prefix}.md", scale_markdown(frame, runs, proj, notes, grid, shape))
+    hours_figure(proj, grid, shape, figure)
+    return frame
+
+
+TABLES = {"latency": latency_outputs, "decode": decode_outputs, "scale": scale_outputs}
 
 
 def run(cfg) -> None:
@@ -44,7 +57,8 @@ def run(cfg) -> None:
     if not inputs:
         raise ValueError(f"table={cfg.table}: no input JSON given")
     with tracked(cfg, "collect", name=f"tables/{Path(cfg.out).name}", used={"benchmark": inputs}) as wb:
-        frame = TABLES[cfg.table](inputs, cfg.out, cfg.figure)
+        extra = {"grid": cfg.grid} if cfg.table == "scale" else {}
+        frame = TABLES[cfg.table](inputs, cfg.out, cfg.figure, **extra)
         wb.table(f"tables/{cfg.table}", frame)
         if wb.enabled:
             from palu.tracking.plots import native_plots

@@ -24,7 +24,7 @@ MODEL_STEPS = ("prepare_model", "calibrate", "fisher", "ranks_probed", "decompos
                "kvquant_capture", "fit_kvquant", "evaluate", "zeroshot", "longcontext",
                "cache_memory_run", "latent_outliers_figure")
 CPU_ONLY_STEPS = ("prepare_model",)
-GPU_BENCHMARKS = ("latency", "decode")
+GPU_BENCHMARKS = ("latency", "decode", "scale")
 
 
 @dataclass(frozen=True)
