@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test test-fast install clean-work
+.PHONY: run test test-fast test-cluster install clean-work
 
 install: $(STAMP)
 
@@ -30,6 +30,12 @@ run: $(STAMP)
 # kernels (Triton interpreter); the gpu lane skips without a CUDA device.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The cluster lane: a real single-node SLURM cluster (Debian's slurmctld / slurmd and munge,
+# installed if missing: needs root), the small grid through workflow/profiles/slurm against a
+# local run, a failing job reported, every daemon stopped (tests/cluster/lane.sh).
+test-cluster: $(STAMP)
+	tests/cluster/lane.sh
 
 # The unit lane alone: tiny random models, about a minute.
 test-fast: $(STAMP)

@@ -178,3 +178,11 @@ def test_grid_refuses_the_old_thread_key():
     from palu.pipeline.grid import Grid
     with pytest.raises(ValueError, match="resources.threads"):
         Grid({"model": "x", "calibration": {}, "fisher": {}, "job_threads": 2})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible here")
+def test_device_cuda_without_a_gpu_fails_before_any_work():
+    from palu.cli.common import check_device
+    check_device({"device": "cpu"})
+    with pytest.raises(RuntimeError, match=r"device=cuda but no CUDA device is available: .*Run on a cluster"):
+        check_device({"device": "cuda"})
