@@ -12,6 +12,14 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _as_created(path: Path, directory: bool) -> None:
+    """The mode an ordinary file or folder gets under the user's umask (mkstemp / mkdtemp make
+    them 0600 / 0700: results nobody else could read)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_dir(target: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success it is renamed to `target`."""
@@ -20,6 +28,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        _as_created(tmp, directory=True)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -39,6 +48,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        _as_created(tmp, directory=False)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
