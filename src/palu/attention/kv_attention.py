@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.quant_cache import QuantKVCache
-from ..models.adapters import FamilyAdapter, Geometry
+from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .rope import apply_rope
 
 
@@ -28,6 +28,7 @@ class QuantKVAttention(nn.Module):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = adapter.projections(attn)
         self.layer_idx, self.geom, self.method = attn.layer_idx, geom, method
+        self.sliding_window = layer_window(attn.config, attn.layer_idx)   # this layer's, if it slides
         self.scaling = attn.scaling
         self.query_scaled = adapter.query_scaled_in_proj
         self._rotary = (rotary,)   # shared with the model, not a submodule of ours
@@ -55,7 +56,7 @@ class QuantKVAttention(nn.Module):
         past = cache.get_seq_length(self.layer_idx)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device)[None]
-        view = cache.step(self.layer_idx, k, v, position_ids, attention_mask)
+        view = cache.step(self.layer_idx, k, v, position_ids, attention_mask, self.sliding_window)
         keys = view.keys
         if self.geom.rope and pre_rope:
             kcos, ksin = self._rotary[0](x, view.key_positions.long())

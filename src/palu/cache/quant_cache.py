@@ -21,6 +21,11 @@ the same tokens one at a time through the cache gives the same attention, to rou
 
 Pre-RoPE keys (KVQuant): the cache also keeps the token positions, and attention rotates the
 keys it reads (`QuantKVView.key_positions`).
+
+Padded batches: a method that codes each token from itself alone (no sink, no window, blocks of
+one token) gives every row of a padded batch what that prompt gets alone. One that counts tokens
+(a sink, a window, blocks of several tokens) would count the pad tokens of a row too, and code
+its real tokens otherwise than alone; its cache refuses a padded batch (`step`).
 """
 from __future__ import annotations
 
@@ -133,6 +138,22 @@ class QuantKVView:
     key_positions: torch.Tensor | None   # (B, S') positions of the keys (pre-RoPE caches)
 
 
+def hides_causal_keys(attention_mask, n0: int, T: int, window: int | None) -> bool:
+    """Whether `attention_mask` hides, from a query, a key that causal (and, with `window`,
+    sliding-window) attention would show it: the mark of padding."""
+    if attention_mask is None:
+        return False
+    n1 = n0 + T
+    base = attention_mask[..., -T:, :n1]
+    visible = base if base.dtype == torch.bool else base == 0
+    q = torch.arange(n0, n1, device=visible.device)[:, None]
+    k = torch.arange(n1, device=visible.device)[None]
+    causal = k <= q
+    if window:
+        causal &= (q - k) < window
+    return bool((causal & ~visible).any())
+
+
 def _lookup(index: torch.Tensor, n: int, dev) -> torch.Tensor:
     """Column of each token in a tensor listing `index` tokens (-1: absent)."""
     where = torch.full((n,), -1, dtype=torch.long, device=dev)
@@ -160,13 +181,29 @@ class QuantKVLayer(CacheLayerMixin):
         raise TypeError("a quantised KV cache is read through its method's attention "
                         "(method.install(model)), not by a model's own attention")
 
-    def step(self, keys, values, positions, attention_mask) -> QuantKVView:
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a token's stored form depends on where it sits in the sequence (a sink, a
+        window, blocks of several tokens), not only on itself."""
+        return bool(self.schedule.sink or self.schedule.window or self.k.codec.block > 1
+                    or self.v.codec.block > 1)
+
+    def step(self, keys, values, positions, attention_mask, window: int | None = None,
+             owner: str | None = None) -> QuantKVView:
         """Store this step's keys and values (B, H, T, d) at `positions` ((B or 1, T)); return
-        what its queries see (see the module docstring)."""
+        what its queries see (see the module docstring). `window`: the layer's sliding window."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
         n0 = self.k.n
+        if self.counts_tokens and hides_causal_keys(attention_mask, n0, T, window):
+            raise ValueError(
+                f"{owner or 'this quantised cache'}: a padded batch (the attention mask hides "
+                f"tokens): this method keeps tokens exact or groups them by their place in the "
+                f"sequence (sink {self.schedule.sink}, window {self.schedule.window}, key blocks "
+                f"of {self.k.codec.block}), so a row's pad tokens would change how its real "
+                f"tokens are coded. Run each prompt alone (batch size 1, no padding), or use a "
+                f"per-token method (atom, turboquant, palu)")
         n1, dev = n0 + T, keys.device
         kf, kfi, kq, kqi = self.k.step(keys)
         vf, vfi, vq, vqi = self.v.step(values)
@@ -206,6 +243,12 @@ class QuantKVLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.k.n
+
+    def crop(self, max_length: int) -> None:
+        # assisted / prompt-lookup decoding removes rejected draft tokens with Cache.crop
+        raise TypeError("a quantised KV cache cannot crop tokens it has coded (assisted or "
+                        "prompt-lookup decoding rolls back draft tokens): decode without an "
+                        "assistant (greedy, sampling or beam search)")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.k.n + query_length, 0
@@ -247,8 +290,9 @@ class QuantKVCache(Cache):
                                  for i in range(num_layers)])
         self.owner = owner
 
-    def step(self, layer_idx, keys, values, positions, attention_mask) -> QuantKVView:
-        return self.layers[layer_idx].step(keys, values, positions, attention_mask)
+    def step(self, layer_idx, keys, values, positions, attention_mask,
+             window: int | None = None) -> QuantKVView:
+        return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner)
 
     def nbytes(self) -> dict:
         """Bytes as stored, summed over layers: `quantised` (packed codes), `metadata` (scales,
