@@ -24,7 +24,7 @@ from .decompose.spectra import whitened_svds
 from .decompose.factors import NEEDS_GRAM, decompose_model
 from .decompose.heads import permute_statistics
 from .decompose.ranks import FISHER_KEY, PROBED, allocate
-from .models.adapters import geometry_of
+from .models.adapters import check_rope, geometry_of
 
 
 def _text_of(corpus: str, text: str | None, path: str | None, part: str) -> str:
@@ -137,6 +137,12 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     similar outputs share a group (decompose/heads.py; the same function, recorded in the
     checkpoint and applied again by `load_compressed`); "none" keeps the model's order."""
     geom = geometry_of(model.config)
+    check_rope(model.config, "Palu")          # before any work: its latents are rotated when read
+    from .eval.runner import check_seqlen
+    for name, w in (("calibration", calibration), ("fisher_windows", fisher_windows),
+                    ("probe_windows", probe_windows)):
+        if w is not None:
+            check_seqlen(model.config, w.shape[-1], name)
     base_hash = source_hash(model)
     if decomposition in NEEDS_GRAM and grams is None:
         if calibration is None:

@@ -1,13 +1,14 @@
 """Swap a model's attention modules for Palu attention (explicitly; importing palu patches nothing)."""
 from __future__ import annotations
 
-from ..models.adapters import adapter_for, geometry_of
+from ..models.adapters import adapter_for, check_rope, geometry_of
 from .palu_attention import PaluAttention
 
 
 def install_palu(model, factors: list, group_size: int, fuse: bool = True):
     """Replace every layer's attention with PaluAttention built from `factors` (one per layer)."""
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    check_rope(model.config, "Palu attention")
     layers = adapter.layers(model)
     if len(factors) != len(layers):
         raise ValueError(f"{len(factors)} factor sets for a model with {len(layers)} layers")

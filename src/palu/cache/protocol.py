@@ -61,6 +61,8 @@ def palu_layers(model) -> dict:
 def check_latent_model(model, cache: str) -> dict:
     """`model`'s Palu modules by layer; an error unless every decoder layer has one (a latent
     cache on an uncompressed model would store full K/V and call them latents)."""
+    from ..models.adapters import check_rope
+    check_rope(model.config, cache)
     modules = palu_layers(model)
     n_layers = model.config.num_hidden_layers
     if sorted(modules) != list(range(n_layers)):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..cache.quant_cache import QuantKVCache, Schedule
-from ..models.adapters import adapter_for, geometry_of
+from ..models.adapters import adapter_for, check_rope, geometry_of
 from .base import CacheMethod, MethodError
 
 
@@ -43,6 +43,8 @@ class QuantizedKV(CacheMethod):
     def install(self, model) -> None:
         from ..attention.kv_attention import QuantKVAttention
         adapter, geom = adapter_for(model.config), geometry_of(model.config)
+        if self.pre_rope:          # keys rotated when read (KVQuant): models/adapters.py
+            check_rope(model.config, f"{self.name} (pre-RoPE keys)")
         try:
             key_codec, value_codec = self.codecs(geom, model)
         except ValueError as e:

@@ -14,6 +14,39 @@ class UnsupportedArchitectureError(ValueError):
     """The model's architecture has no adapter."""
 
 
+class UnsupportedRopeError(ValueError):
+    """The model's RoPE scaling changes with the sequence length, which a cache that rotates keys
+    when it reads them cannot reproduce."""
+
+
+# Dynamic NTK and LongRoPE rescale every position's rotation once the sequence outgrows the
+# original length. transformers keeps each cached key rotated as it was when written; Palu's
+# latents and KVQuant's pre-RoPE keys are rotated when read, at the scaling of that step, so the
+# two disagree (a full-rank Palu model: 21 of 100 generated tokens, |dlogit| 0.85). Static
+# scalings (linear, yarn, llama3) rotate a position the same way at every step.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rope_types(config) -> set[str]:
+    """The RoPE types of the model (one per attention type where it has several)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        return {"default"}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    return {g.get("rope_type", g.get("type", "default")) for g in groups}
+
+
+def check_rope(config, who: str) -> None:
+    """Refuse a length-dependent RoPE type by name (UnsupportedRopeError)."""
+    bad = sorted(rope_types(config) & set(LENGTH_DEPENDENT_ROPE))
+    if bad:
+        raise UnsupportedRopeError(
+            f"{who}: rope_type {bad[0]!r} rescales every position's rotation as the sequence grows; "
+            f"transformers keeps each cached key as it was rotated when written, while {who} rotates "
+            f"keys when it reads them, so their answers would differ. Not supported: "
+            f"{list(LENGTH_DEPENDENT_ROPE)}; static scalings (linear, yarn, llama3) are")
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Attention shapes of one model (the same for every layer in the supported families)."""
@@ -73,6 +106,17 @@ ADAPTERS: dict[str, FamilyAdapter] = {
 }
 
 
+def config_fingerprint(config) -> str:
+    """What an artifact made without the weights (uniform ranks) names its model by: the
+    family, vocabulary and attention shapes (sha256, 16 hex digits)."""
+    import hashlib
+    import json
+    g = geometry_of(config)
+    key = {"model_type": getattr(config, "model_type", None), "vocab_size": getattr(config, "vocab_size", None),
+           **{k: getattr(g, k) for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size", "num_layers")}}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def adapter_for(config) -> FamilyAdapter:
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
@@ -91,6 +135,15 @@ def sliding_window_of(config) -> int | None:
     if types is not None and "sliding_attention" not in types:
         return None
     return int(window)
+
+
+def layer_window(config, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer` (None: it attends to every earlier token)."""
+    window = sliding_window_of(config)
+    types = getattr(config, "layer_types", None)
+    if window is None or (types is not None and types[layer] != "sliding_attention"):
+        return None
+    return window
 
 
 def geometry_of(config) -> Geometry:
