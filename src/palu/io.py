@@ -86,6 +86,33 @@ def write_json(target: str | Path, obj: Any) -> None:
     write_text(target, json.dumps(obj, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n")
 
 
+class IntegrityError(ValueError):
+    """An artifact's metadata is not what was written with it (edited, or from an older palu)."""
+
+
+def _digest(record: dict) -> str:
+    canonical = json.dumps({k: v for k, v in record.items() if k != "integrity"}, sort_keys=True,
+                           separators=(",", ":"), default=str, allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(record: dict) -> dict:
+    """`record` with an integrity field: the sha256 of everything else in it (canonical JSON), so
+    an edit of any value is found when it is read (`unseal`)."""
+    return {**record, "integrity": _digest(record)}
+
+
+def unseal(record: dict, what: str) -> dict:
+    """`record` without its integrity field, after checking it; IntegrityError naming `what`."""
+    if "integrity" not in record:
+        raise IntegrityError(f"{what} has no integrity record (written by an older palu, or by "
+                             "hand): make it again with the step that writes it")
+    if record["integrity"] != _digest(record):
+        raise IntegrityError(f"{what} was edited after it was written (its integrity record does "
+                             "not match its contents): make it again instead of editing it")
+    return {k: v for k, v in record.items() if k != "integrity"}
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -46,8 +46,8 @@ def test_unknown_method_and_unknown_field_are_named():
 
 def test_palu_tag_carries_the_bit_width(tmp_path):
     from palu.decompose.checkpoint import FORMAT_VERSION
-    from palu.io import write_json
-    write_json(tmp_path / "manifest.json", {"format_version": FORMAT_VERSION, "tag": "palu-x"})
+    from palu.io import seal, write_json
+    write_json(tmp_path / "manifest.json", seal({"format_version": FORMAT_VERSION, "tag": "palu-x"}))
     assert build_method({"name": "palu", "checkpoint": str(tmp_path)}).tag == "palu-x"
     assert build_method({"name": "palu", "checkpoint": str(tmp_path), "bits": 4}).tag == "palu-x-b4"
 

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import time
 
-from safetensors.torch import load_file
-
+from ..calib.stats_file import check_model, load_stats
 from ..compress import build_manifest
 from ..config import to_dict
 from ..decompose.checkpoint import save_compressed, source_hash
 from ..decompose.factors import NEEDS_GRAM, decompose_model
-from ..io import read_json, sha256_file
+from ..io import read_json, sha256_file, unseal
 from ..models.loading import load_model
 from ..pipeline import naming
 from .common import entry_point, log, model_input, model_path, tracked
@@ -18,7 +17,7 @@ from .common import entry_point, log, model_input, model_path, tracked
 def run(cfg) -> str:
     p = cfg.palu
     ranks = naming.ranks_path_of(cfg)
-    allocation = read_json(ranks)
+    allocation = unseal(read_json(ranks), f"rank file {ranks}")
     if allocation.get("group_size") != p.group_size or allocation.get("method") != p.rank_method:
         raise ValueError(f"rank file {ranks} does not match palu.group_size / rank_method")
     grams, used = None, {**model_input(cfg), "ranks": str(ranks)}
@@ -27,8 +26,7 @@ def run(cfg) -> str:
         if not gpath.is_file():
             raise FileNotFoundError(f"{p.decomposition} SVD needs the Gram matrices at {gpath}; "
                                     "run `python -m palu.cli.calibrate` first")
-        grams = load_file(str(gpath))["gram"]
-        used["gram"] = str(gpath)
+        grams, used["gram"] = gpath, str(gpath)     # read once the model is loaded (checked against it)
     out = cfg.out or str(naming.checkpoint_dir_of(cfg))
     with tracked(cfg, "decompose", out, used=used) as wb:
         factors, manifest = _decompose(cfg, allocation, grams, ranks)
@@ -45,6 +43,11 @@ def _decompose(cfg, allocation, grams, ranks) -> tuple[dict, dict]:
     p = cfg.palu
     model, _ = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     base_hash = source_hash(model)
+    check_model(allocation, model.config, base_hash, f"the rank file {ranks}")
+    if grams is not None:
+        tensors, meta = load_stats(grams, "calibration Gram")
+        check_model(meta, model.config, base_hash, f"the calibration Gram {grams}")
+        grams = tensors["gram"]
     start = time.perf_counter()
     orders = None
     if p.head_order != "none":     # G-LRD groups of similar heads (decompose/heads.py)

@@ -1,11 +1,10 @@
 """Step `ranks`: allocate ranks for a kept ratio, group size and method; writes a JSON."""
 from __future__ import annotations
 
-from safetensors.torch import load_file
-
+from ..calib.stats_file import check_model, load_stats
 from ..decompose.ranks import FISHER_KEY, PROBED, allocate
-from ..io import write_json
-from ..models.adapters import geometry_of
+from ..io import seal, write_json
+from ..models.adapters import config_fingerprint, geometry_of
 from ..models.loading import load_config
 from ..pipeline import naming
 from .common import calibration_windows_of, entry_point, log, model_path, tracked
@@ -13,7 +12,9 @@ from .common import calibration_windows_of, entry_point, log, model_path, tracke
 
 def run(cfg) -> dict:
     p = cfg.palu
-    geom = geometry_of(load_config(model_path(cfg)))
+    config = load_config(model_path(cfg))
+    geom = geometry_of(config)
+    made_from = {"config": config_fingerprint(config)}   # the model this allocation is for
     geom.check_group_size(p.group_size)
     from ..decompose.heads import check_head_order
     check_head_order(p.head_order, geom, p.group_size)
@@ -25,7 +26,9 @@ def run(cfg) -> dict:
             raise FileNotFoundError(f"rank method {p.rank_method!r} needs Fisher scores at {path}; "
                                     "run `python -m palu.cli.fisher` first")
         used["fisher"] = str(path)
-        stats = load_file(str(path))
+        stats, meta = load_stats(path, "Fisher scores")
+        check_model(meta, config, what=f"the Fisher scores {path}")
+        made_from = meta["model"]
         keys = sorted(set(FISHER_KEY.values())) if p.rank_method == "probe_select" else [FISHER_KEY[p.rank_method]]
         missing = [k for k in keys if k not in stats]
         if missing:
@@ -42,7 +45,9 @@ def run(cfg) -> dict:
         if p.rank_method in PROBED or reorder:
             from ..models.loading import load_model
             model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
-            grams = load_file(used["gram"])["gram"]
+            tensors, meta = load_stats(used["gram"], "calibration Gram")
+            check_model(meta, config, made_from.get("hash"), f"the calibration Gram {used['gram']}")
+            grams = tensors["gram"]
         if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
             from ..decompose.heads import permute_statistics, reorder_heads, similarity_orders
             orders = similarity_orders(model, grams, p.group_size)
@@ -62,7 +67,8 @@ def run(cfg) -> dict:
             _log_probe(allocation)
         else:
             allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher)
-        write_json(out, allocation)
+        # sealed, and naming its model: decompose refuses an edited file or another model's
+        write_json(out, seal({**allocation, "model": made_from}))
         wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
                     "kept_ratio_target": p.kept_ratio})
         wb.make("ranks", out)

@@ -14,12 +14,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..attention.install import install_palu
-from ..io import atomic_dir, read_json, sha256_file, write_json
+from ..io import IntegrityError, atomic_dir, read_json, seal, sha256_file, unseal, write_json
 from ..models.adapters import adapter_for, geometry_of
 from .factors import LayerFactors
+from .ranks import check_allocation, ranks_table
 
 SAVED_DTYPES = (torch.float32, torch.float64)   # see factors.stored_dtype
-FORMAT_VERSION = 2   # 2: the manifest holds the sha256 of factors.safetensors
+FORMAT_VERSION = 3   # 2: the manifest holds the sha256 of factors.safetensors; 3: and is sealed
 FACTORS = "factors.safetensors"
 
 
@@ -70,8 +71,9 @@ def save_compressed(out_dir: str | Path, factors: list[LayerFactors], manifest: 
                 tensors[f"layers.{l}.{kind}.{g}.B"] = B.contiguous()
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, str(tmp / FACTORS))
-        write_json(tmp / "manifest.json", {**manifest, "format_version": FORMAT_VERSION,
-                                           "files": {FACTORS: sha256_file(tmp / FACTORS)}})
+        # sealed: an edited setting (kept ratio, group size, tag) is refused when read
+        write_json(tmp / "manifest.json", seal({**manifest, "format_version": FORMAT_VERSION,
+                                                "files": {FACTORS: sha256_file(tmp / FACTORS)}}))
     return Path(out_dir)
 
 
@@ -86,7 +88,10 @@ def read_manifest(path: str | Path) -> dict:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: format_version {manifest.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION} (made by an older palu: decompose it again)")
-    return manifest
+    try:
+        return unseal(manifest, f"checkpoint manifest {path / 'manifest.json'}")
+    except IntegrityError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def verify_files(path: str | Path, manifest: dict) -> None:
@@ -121,6 +126,25 @@ def load_factors(path: str | Path, num_layers: int, n_groups: int) -> list[Layer
     return factors
 
 
+def check_factors(path, factors: list[LayerFactors], allocation: dict, geom) -> None:
+    """The factors are the allocation's: every block's A (rank, hidden) and B (group rows, rank),
+    so group size and ranks come from the tensors, never from the manifest alone."""
+    try:
+        check_allocation(allocation, geom, f"checkpoint {path}")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    rows, ranks = allocation["group_size"] * geom.head_dim, ranks_table(allocation)
+    for l, lf in enumerate(factors):
+        for kind in ("k", "v"):
+            for g, (A, B) in enumerate(zip(getattr(lf, f"A_{kind}"), getattr(lf, f"B_{kind}"))):
+                r = ranks[(l, kind, g)]
+                if tuple(A.shape) != (r, geom.hidden_size) or tuple(B.shape) != (rows, r):
+                    raise CheckpointError(
+                        f"checkpoint {path}: layer {l} {kind} group {g} has factors A {tuple(A.shape)}, "
+                        f"B {tuple(B.shape)}, but its manifest says rank {r} and group size "
+                        f"{allocation['group_size']} (A ({r}, {geom.hidden_size}), B ({rows}, {r}))")
+
+
 def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
     """Install the checkpoint's Palu attention into `model` (its matching base); return the manifest."""
     manifest = read_manifest(path)
@@ -131,9 +155,17 @@ def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
             f"(attention hash {expected[:12]}…) but the model given has hash {actual[:12]}…")
     geom = geometry_of(model.config)
     s = manifest["allocation"]["group_size"]
-    factors = load_factors(path, geom.num_layers, geom.check_group_size(s))
+    try:
+        n_groups = geom.check_group_size(s)
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {path}: {err}") from None
+    factors = load_factors(path, geom.num_layers, n_groups)
+    check_factors(path, factors, manifest["allocation"], geom)
     if manifest.get("head_order"):        # the factors are in the reordered heads' order
         from .heads import reorder_heads
         reorder_heads(model, manifest["head_order"])
     install_palu(model, factors, s, fuse=manifest["fuse"] if fuse is None else fuse)
-    return manifest
+    # what the tables report, from the tensors installed (check_factors: the manifest agrees)
+    kept = sum(A.shape[0] for lf in factors for A in lf.A_k + lf.A_v) / (geom.num_layers * geom.kv_size())
+    return {**manifest, "installed": {"group_size": factors[0].B_k[0].shape[0] // geom.head_dim,
+                                      "kept_ratio_realised": kept}}

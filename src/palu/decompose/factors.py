@@ -7,7 +7,7 @@ import torch
 
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
-from .ranks import ranks_table
+from .ranks import check_allocation, ranks_table
 from .rotation import ROTATIONS, rotate_layer
 from .metrics import block_metric, key_metrics, value_metrics
 from .svd import factorize, whitening
@@ -69,6 +69,7 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     if method in NEEDS_GRAM and grams is None:
         raise ValueError(f"{method} decomposition needs calibration Gram matrices")
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    check_allocation(allocation, geom)
     s = allocation["group_size"]
     n_groups = geom.check_group_size(s)
     ranks = ranks_table(allocation)

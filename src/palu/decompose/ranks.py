@@ -224,3 +224,35 @@ def blend(a: dict, b: dict, alpha: float) -> dict:
 
 def ranks_table(allocation: dict) -> dict[tuple[int, str, int], int]:
     return {(r["layer"], r["kind"], r["group"]): r["rank"] for r in allocation["ranks"]}
+
+
+def check_allocation(allocation: dict, geom: Geometry, where: str = "the rank allocation") -> None:
+    """Refuse an allocation that cannot be this model's (ValueError naming the bad value): a group
+    size that does not divide its KV heads, a block missing or twice, a rank that is not a whole
+    number in 1..the block's dimension, or a realised kept ratio other than its ranks give."""
+    for key in ("group_size", "ranks", "kept_ratio_realised"):
+        if key not in allocation:
+            raise ValueError(f"{where} has no {key!r}")
+    s = allocation["group_size"]
+    if isinstance(s, bool) or not isinstance(s, int):
+        raise ValueError(f"{where}: group_size {s!r} is not a whole number")
+    geom.check_group_size(s)
+    full, seen = s * geom.head_dim, {}
+    for r in allocation["ranks"]:
+        slot = (r.get("layer"), r.get("kind"), r.get("group"))
+        rank = r.get("rank")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= full:
+            raise ValueError(f"{where}: block {slot} has rank {rank!r}; ranks are whole numbers in "
+                             f"1..{full} (group size {s} x head_dim {geom.head_dim})")
+        if slot in seen:
+            raise ValueError(f"{where}: block {slot} is listed twice")
+        seen[slot] = rank
+    want = {(x.layer, x.kind, x.group) for x in slots(geom, s)}
+    missing, stray = sorted(want - set(seen)), sorted(set(seen) - want, key=str)
+    if missing or stray:
+        raise ValueError(f"{where}: blocks {missing[:3]} missing, {stray[:3]} not in this model "
+                         f"({geom.num_layers} layers x k/v x {geom.num_kv_heads // s} groups)")
+    realised = sum(seen.values()) / (geom.num_layers * geom.kv_size())
+    if abs(realised - allocation["kept_ratio_realised"]) > 1e-9:
+        raise ValueError(f"{where}: its ranks keep {realised:.6f} of the K/V dimensions, but it "
+                         f"records kept_ratio_realised {allocation['kept_ratio_realised']!r}")

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..cache.quant_cache import Schedule
-from ..io import atomic_dir, atomic_path, sha256_file
-from ..models.adapters import adapter_for, geometry_of
+from ..io import atomic_dir, atomic_path, seal, sha256_file, unseal
+from ..models.adapters import adapter_for, check_rope, geometry_of
 from ..progress import steps
 from ..calib.fisher import loss_scale, scaled_backward
 from ..quant.codebook import lloyd_max
@@ -77,10 +77,10 @@ class KVQuantState:
             save_file({"key_codebooks": self.key_codebooks, "value_codebooks": self.value_codebooks,
                        "channel_offset": self.channel_offset, "channel_scale": self.channel_scale},
                       str(tmp / "state.safetensors"))
-            manifest = {"format": FORMAT, "method": "kvquant", "tag": self.tag, "bits": self.bits,
-                        "weighting": self.weighting, "outlier_fraction": self.outlier_fraction,
-                        "info": self.info,
-                        "files": {"state.safetensors": sha256_file(tmp / "state.safetensors")}}
+            manifest = seal({"format": FORMAT, "method": "kvquant", "tag": self.tag, "bits": self.bits,
+                             "weighting": self.weighting, "outlier_fraction": self.outlier_fraction,
+                             "info": self.info,
+                             "files": {"state.safetensors": sha256_file(tmp / "state.safetensors")}})
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
     @classmethod
@@ -92,14 +92,33 @@ class KVQuantState:
         manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("format") != FORMAT or manifest.get("method") != "kvquant":
             raise ValueError(f"{path}: not a format-{FORMAT} KVQuant state")
+        manifest = unseal(manifest, f"KVQuant state {path / 'manifest.json'}")
         digest = sha256_file(path / "state.safetensors")
         if digest != manifest["files"]["state.safetensors"]:
             raise ValueError(f"{path}/state.safetensors does not match its manifest's sha256: "
                              "the file was changed or damaged; fit it again")
         t = load_file(str(path / "state.safetensors"))
-        return cls(manifest["bits"], manifest["weighting"], manifest["outlier_fraction"],
-                   t["key_codebooks"], t["value_codebooks"], t["channel_offset"], t["channel_scale"],
-                   manifest.get("info", {}))
+        state = cls(manifest["bits"], manifest["weighting"], manifest["outlier_fraction"],
+                    t["key_codebooks"], t["value_codebooks"], t["channel_offset"], t["channel_scale"],
+                    manifest.get("info", {}))
+        state.check(path)
+        return state
+
+    def check(self, where) -> None:
+        """What the tensors say against what the manifest says: 2^bits entries per codebook, the
+        outliers per vector its outlier fraction gives (a 3-bit codebook labelled 2 bits packed 8
+        entries into 2 bits and still gave a perplexity)."""
+        for name in ("key_codebooks", "value_codebooks"):
+            levels = getattr(self, name).shape[-1]
+            if levels != 2 ** self.bits:
+                raise ValueError(f"KVQuant state {where}: {name} have {levels} entries, a {self.bits}-bit "
+                                 f"state has {2 ** self.bits}")
+        head_dim = self.channel_offset.shape[-1]
+        stored = self.info.get("outliers_per_vector")
+        if stored is not None and stored != outliers_per_vector(self.outlier_fraction, head_dim):
+            raise ValueError(f"KVQuant state {where}: outlier fraction {self.outlier_fraction} gives "
+                             f"{outliers_per_vector(self.outlier_fraction, head_dim)} outliers per vector "
+                             f"of {head_dim}, its codebooks were fitted with {stored}")
 
 
 def _codecs(state: KVQuantState, head_dim: int):
@@ -154,6 +173,14 @@ class KVQuant(QuantizedKV):
     def inputs(self) -> dict[str, str]:
         return {} if isinstance(self.state, KVQuantState) else {"kvquant_state": str(self.state)}
 
+    def install(self, model) -> None:
+        from ..calib.stats_file import check_model
+        from ..decompose.checkpoint import source_hash
+        check_rope(model.config, "kvquant (pre-RoPE keys)")
+        check_model(self.loaded.info, model.config, source_hash(model),
+                    f"the KVQuant state {self.state if isinstance(self.state, (str, Path)) else ''}".rstrip())
+        super().install(model)
+
     def codecs(self, geom, model):
         s = self.loaded
         if s.channel_offset.shape[:2] != (geom.num_layers, geom.num_kv_heads) or s.channel_offset.shape[2] != geom.head_dim:
@@ -181,6 +208,7 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
     """Per layer: pre-RoPE keys and values (N, H, d) of `per_window` random tokens of each
     window (the first token excluded: the sink is kept exact), and their squared gradients."""
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    check_rope(model.config, "KVQuant (pre-RoPE keys)")
     H, d = geom.num_kv_heads, geom.head_dim
     layers = adapter.layers(model)
     acts = {(i, kind): [] for i in range(len(layers)) for kind in "kv"}
@@ -259,9 +287,11 @@ class KVQuantActivations:
 def capture_activations(model, windows: torch.Tensor, fisher: bool = True, tokens_per_window: int = 256,
                         seed: int = 0, progress: bool = True, info: Optional[dict] = None) -> KVQuantActivations:
     """Keys, values (and squared gradients) of `tokens_per_window` random tokens per window."""
+    from ..calib.stats_file import model_identity
     acts, grads = _capture(model, windows, fisher, tokens_per_window, seed, progress)
     layers = geometry_of(model.config).num_layers
-    return KVQuantActivations(acts, grads, {**(info or {}), "layers": layers,
+    # the model they came from: a state fitted on them is refused on any other (KVQuant.install)
+    return KVQuantActivations(acts, grads, {**(info or {}), "model": model_identity(model), "layers": layers,
                                             "tokens": int(acts[(0, "k")].shape[0]),
                                             "windows": int(len(windows)), "tokens_per_window": tokens_per_window,
                                             "seed": seed, "fisher": fisher})

@@ -104,7 +104,8 @@ class Palu(CacheMethod):
             kv_bits = round(sum(r["rank"] * widths[r["layer"]] for r in allocation["ranks"])
                             / allocation["latent_size"], 3)
         budget = allocation.get("byte_budget")
-        return {**self.manifest["summary"], "kv_bits": kv_bits,
+        # installed: group size and kept ratio from the factors in the model (load_compressed)
+        return {**self.manifest["summary"], **self.manifest.get("installed", {}), "kv_bits": kv_bits,
                 "num_kv_heads": groups * allocation["group_size"],
                 # what a byte_budget table pairs rows by: the budget, or these ranks' bytes
                 "byte_ratio_target": (budget["ratio_target"] if budget and self.bits == ALLOCATED
