@@ -61,7 +61,7 @@ def test_evaluation_windows_are_non_overlapping():
     tokens = torch.arange(1000)
     w = evaluation_windows(tokens, 100, max_tokens=350)
     assert w.shape == (3, 100) and torch.equal(w.flatten(), torch.arange(300))
-    with pytest.raises(ValueError, match="seqlen must be positive"):
+    with pytest.raises(ValueError, match="a window needs at least 2 tokens"):
         evaluation_windows(tokens, 0)
     with pytest.raises(ValueError, match="no full window"):
         evaluation_windows(tokens, 2000)

@@ -75,6 +75,13 @@ def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, co
                         used=used)
 
 
+def check_window_length(cfg, seqlen: int, what: str) -> None:
+    """A window longer than the model's positions fails before the model is loaded."""
+    from ..eval.runner import check_seqlen
+    from ..models.loading import load_config
+    check_seqlen(load_config(model_path(cfg)), seqlen, what)
+
+
 def calibration_windows_of(cfg, tok, samples: int, seqlen: int, seed: int):
     """Seeded windows from the calibration corpus (shared by the calibrate and fisher steps)."""
     from ..data.corpora import load_corpus

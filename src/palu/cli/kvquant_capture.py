@@ -6,13 +6,14 @@ from __future__ import annotations
 from ..methods.kvquant import capture_activations
 from ..models.loading import load_model
 from ..pipeline import naming
-from .common import calibration_windows_of, entry_point, log, model_input, model_path, tracked
+from .common import calibration_windows_of, check_window_length, entry_point, log, model_input, model_path, tracked
 
 
 def run(cfg) -> str:
     k = cfg.kvquant
     out = cfg.out or str(naming.kvquant_activations_path_of(cfg))
     with tracked(cfg, "kvquant_capture", out, used=model_input(cfg)) as wb:
+        check_window_length(cfg, k.seqlen, "kvquant.seqlen")
         model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
         windows = calibration_windows_of(cfg, tok, k.samples, k.seqlen, k.seed)
         info = {"calibration_tag": naming.kvquant_calibration_tag_of(cfg), "model": cfg.model.name,

@@ -51,8 +51,9 @@ def evaluation_windows(tokens: torch.Tensor, seqlen: int, max_tokens: int | None
     `max_tokens` keeps only the first windows covering at most that many tokens (quick runs).
     `bos`: each window is that id followed by the next seqlen - 1 text tokens.
     """
-    if seqlen <= 0 or (bos is not None and seqlen < 2):
-        raise ValueError(f"seqlen must be positive (>= 2 with a BOS token), got {seqlen}")
+    if seqlen < 2:
+        raise ValueError(f"seqlen={seqlen}: a window needs at least 2 tokens (one to predict from, "
+                         "one to score)")
     text = seqlen - (bos is not None)
     n = tokens.numel() // text
     if max_tokens is not None:
@@ -73,6 +74,12 @@ def calibration_windows(tokens: torch.Tensor, n: int, seqlen: int, seed: int,
     text = seqlen - (bos is not None)
     if tokens.numel() <= text:
         raise ValueError(f"calibration text has {tokens.numel()} tokens, fewer than seqlen={seqlen}")
+    if tokens.numel() - text < n:
+        # the offsets are drawn from tokens - text places: fewer places than windows repeats
+        # windows (a text of one window once gave 16 identical ones)
+        raise ValueError(f"calibration text has {tokens.numel()} tokens: room for "
+                         f"{tokens.numel() - text} different windows of seqlen={seqlen}, fewer than "
+                         f"the {n} asked for (give more text, or fewer / shorter windows)")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, tokens.numel() - text, (n,), generator=gen)
     return _with_bos(torch.stack([tokens[s: s + text] for s in starts.tolist()]), bos)

@@ -14,6 +14,18 @@ BLOCK = 128     # scored tokens per NLL block (the resampling unit of ppl interv
 
 
 @torch.no_grad()
+def check_windows(model, windows: torch.Tensor) -> None:
+    """Token windows the model can score (ValueError naming the bad value otherwise)."""
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows of shape {tuple(windows.shape)}: (n, T) with T >= 2 tokens needed "
+                         "(one to predict from, one to score)")
+    vocab = model.get_input_embeddings().num_embeddings
+    low, high = int(windows.min()), int(windows.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"token id {high if high >= vocab else low} is outside the model's "
+                         f"vocabulary of {vocab} ids (windows of another tokenizer?)")
+
+
 def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
                make_cache: Callable[[], object] | None = None,
                cache_nbytes: Callable[[object], dict] | None = None) -> dict:
@@ -31,6 +43,7 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     between methods resample (`palu.eval.stats.ppl_interval`), since a default run has only a few
     windows.
     """
+    check_windows(model, windows)
     device = next(model.parameters()).device
     nll, count, start, measured = 0.0, 0, time.perf_counter(), None
     block_nll: list[float] = []

@@ -7,12 +7,12 @@ from ..cache.memory import bytes_summary
 from .perplexity import perplexity
 
 
-def check_seqlen(model_config, seqlen: int) -> None:
+def check_seqlen(model_config, seqlen: int, what: str = "seqlen") -> None:
     limit = getattr(model_config, "max_position_embeddings", None)
     if seqlen <= 0:
-        raise ValueError(f"seqlen={seqlen} must be positive")
+        raise ValueError(f"{what}: seqlen={seqlen} must be positive")
     if limit is not None and seqlen > limit:
-        raise ValueError(f"seqlen={seqlen} exceeds the model's maximum of {limit} positions")
+        raise ValueError(f"{what}: seqlen={seqlen} exceeds the model's maximum of {limit} positions")
 
 
 def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int | None = None,
