@@ -26,7 +26,7 @@ rule latency:
     threads: threads_of("latency")
     resources: **needs("latency")
     shell:
-        "{PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
+        "exec {PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule latency_table:
@@ -42,7 +42,7 @@ rule latency_table:
         inputs=lambda w, input: ",".join(input),
         prefix=str(naming.table_prefix(R, "latency")),
     shell:
-        "{PY} -m palu_bench.cli.table table=latency 'inputs=[{params.inputs}]' "
+        "exec {PY} -m palu_bench.cli.table table=latency 'inputs=[{params.inputs}]' "
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
 
 
@@ -54,7 +54,7 @@ rule decode:
     threads: threads_of("decode")
     resources: **needs("decode")
     shell:
-        "{PY} -m palu_bench.cli.decode out={output} {BENCH_TRACK} > {log} 2>&1"
+        "exec {PY} -m palu_bench.cli.decode out={output} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule decode_table:
@@ -70,7 +70,7 @@ rule decode_table:
         inputs=lambda w, input: ",".join(input),
         prefix=str(naming.table_prefix(R, "decode")),
     shell:
-        "{PY} -m palu_bench.cli.table table=decode 'inputs=[{params.inputs}]' "
+        "exec {PY} -m palu_bench.cli.table table=decode 'inputs=[{params.inputs}]' "
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
 
 
@@ -84,7 +84,7 @@ rule scale:
     threads: threads_of("scale")
     resources: **needs("scale")
     shell:
-        "{PY} -m palu_bench.cli.scale out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
+        "exec {PY} -m palu_bench.cli.scale out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule scale_table:
@@ -101,5 +101,5 @@ rule scale_table:
         inputs=",".join(SCALE_JSON),
         prefix=str(naming.table_prefix(R, "scale")),
     shell:
-        "{PY} -m palu_bench.cli.table table=scale 'inputs=[{params.inputs}]' grid={PAPER_GRID} "
+        "exec {PY} -m palu_bench.cli.table table=scale 'inputs=[{params.inputs}]' grid={PAPER_GRID} "
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
