@@ -111,9 +111,7 @@ def test_contiguity_is_checked_once_per_step_for_all_layers():
     ({"rope_type": "linear", "factor": 2.0}, True),
     ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 4}, True),
-    # dynamic NTK recomputes inv_freq once positions pass max_position_embeddings (here 4):
-    # the kernels read it from the model's rotary module after the step's update
-    ({"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4}, True),
+    # (dynamic NTK and LongRoPE are refused: tests/unit/test_rope_types.py)
     # YaRN scales the attention logits as well (attention_scaling != 1): the torch path serves it
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048,
       "max_position_embeddings": 8192}, False)])
