@@ -97,4 +97,6 @@ def test_a_failing_cluster_job_is_reported_with_its_logs(runs):
     text = (ROOT / rule_log.group(1)).read_text()
     assert "cuda" in text.lower() or "CUDA" in text, text[-2000:]
     assert Path(jobid.group(2)).is_file()        # the failed job's SLURM log is kept
+    job = subprocess.run(["scontrol", "show", "job", jobid.group(1)], capture_output=True, text=True).stdout
+    assert "Partition=gpu" in job and re.search(r"gres[:/]gpu[:=]1", job), job     # it asked for the GPU
     assert not (ROOT / target).exists()

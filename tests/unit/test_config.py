@@ -166,6 +166,8 @@ def test_job_resources_defaults_overrides_and_errors():
     assert scheduler_resources(grid, "cuda", "evaluate") == {"mem_mb": 32000, "runtime": 240, "gpu": 1}
     assert "gpu" not in scheduler_resources(grid, "cuda", "prepare_model")
     assert scheduler_resources(None, "cpu", "latency")["gpu"] == 1
+    # Snakemake's --config 'resources={threads: 2}' delivers text
+    assert job_resources({"threads": "2", "zeroshot": {"runtime": "90"}}, "cuda", "zeroshot").runtime == 90
     for bad, match in (({"treads": 2}, "treads"), ({"threads": 0}, "threads"),
                        ({"evaluate": {"mem": 1}}, "evaluate"), ({"mem_mb": "64G"}, "mem_mb")):
         with pytest.raises(ValueError, match=match):
@@ -182,7 +184,7 @@ def test_grid_refuses_the_old_thread_key():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible here")
 def test_device_cuda_without_a_gpu_fails_before_any_work():
-    from palu.cli.common import check_device
-    check_device({"device": "cpu"})
+    from palu.models.loading import check_device, load_model
+    check_device("cpu")
     with pytest.raises(RuntimeError, match=r"device=cuda but no CUDA device is available: .*Run on a cluster"):
-        check_device({"device": "cuda"})
+        load_model("/nonexistent/folder", device="cuda")

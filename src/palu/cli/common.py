@@ -25,21 +25,8 @@ def entry_point(run, config_name: str = "config", checked: bool = True):
     def main(cfg) -> None:
         cfg = validate(cfg) if checked else cfg
         check_tracking(cfg.tracking)    # an unusable W&B setting fails before any work
-        check_device(cfg)
         run(cfg)
     return hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
-
-
-def check_device(cfg) -> None:
-    """device=cuda where torch sees no GPU fails before any work, saying why (a CPU build of
-    torch, or a job that was given no GPU), instead of deep inside model loading."""
-    device = cfg.get("device", "cpu")
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        why = ("this torch is a CPU build" if torch.version.cuda is None else
-               f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU here: "
-               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
-        raise RuntimeError(f"device={device} but no CUDA device is available: {why} (on a cluster: "
-                           "a GPU node and a CUDA build of torch in the venv, README 'Run on a cluster')")
 
 
 def model_path(cfg) -> str:

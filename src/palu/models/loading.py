@@ -118,10 +118,23 @@ def check_supported(config, model_id: str = "") -> None:
         raise UnsupportedArchitectureError(f"model {model_id!r}: {err}") from None
 
 
+def check_device(device: str) -> None:
+    """device=cuda where torch sees no GPU fails before the weights are read, saying why (a CPU
+    build of torch, or a job that was given no GPU), not deep inside loading. Steps that never
+    load the model (the uniform and Fisher rank allocators, tables) do not ask."""
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        why = ("this torch is a CPU build" if torch.version.cuda is None else
+               f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU here: "
+               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+        raise RuntimeError(f"device={device} but no CUDA device is available: {why} (on a cluster: "
+                           "a GPU node and a CUDA build of torch in the venv, README 'Run on a cluster')")
+
+
 def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
     """Return `(model, tokenizer)` for any supported id (a family without an adapter is
     refused before the weights are read). Never touches the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    check_device(device)
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype!r} is not one of {sorted(_DTYPES)}")
     src = resolve_source(model_id)

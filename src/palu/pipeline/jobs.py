@@ -48,6 +48,11 @@ DEFAULTS = {"cpu": JobResources(threads=1, mem_mb=6000, runtime=60),
             "cuda": JobResources(threads=8, mem_mb=64000, runtime=240)}
 
 
+def _whole(value):
+    """A whole number given as text (`--config 'resources={threads: 8}'` delivers strings)."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
 def job_resources(grid_resources: dict | None, device: str, step: str) -> JobResources:
     """The resources of one model job: the device's defaults, then the grid's `resources:`
     values, then the grid's entry for `step`. Unknown keys and bad values are errors. The GPU
@@ -62,11 +67,11 @@ def job_resources(grid_resources: dict | None, device: str, step: str) -> JobRes
     if stray:
         raise ValueError(f"grid resources: {stray} are neither settings {sorted(names)} nor model "
                          f"steps {list(MODEL_STEPS + GPU_BENCHMARKS)}")
-    out = replace(DEFAULTS[device], **{k: given[k] for k in names & set(given)})
+    out = replace(DEFAULTS[device], **{k: _whole(given[k]) for k in names & set(given)})
     own = per_step.get(step) or {}
     if not isinstance(own, dict) or set(own) - names:
         raise ValueError(f"grid resources.{step} must map some of {sorted(names)} to values, got {own!r}")
-    return replace(out, **own).check(f"resources.{step}" if own else "resources")
+    return replace(out, **{k: _whole(v) for k, v in own.items()}).check(f"resources.{step}" if own else "resources")
 
 
 def scheduler_resources(grid_resources: dict | None, device: str, step: str) -> dict:
