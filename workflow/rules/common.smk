@@ -27,8 +27,9 @@ TABLES = GRID.tables()
 # a local run, which drives one GPU, runs its GPU jobs one at a time (`--resources gpu=N` to
 # change that), and `model_jobs`, so the model jobs that the cluster profile bundles into one SLURM
 # job run there one after another with one job's resources (unbounded, Snakemake sums them:
-# four 1-CPU evaluations asked for 4 CPUs and 24 GB). Locally `model_jobs` is the core count,
-# which the one-thread-or-more model jobs never exceed anyway.
+# four 1-CPU evaluations asked for 4 CPUs and 24 GB). Inside a cluster job (remote mode) it is 1,
+# so the bundle keeps to what the job was given; locally the core count, which the
+# one-thread-or-more model jobs never exceed anyway.
 resource_scopes:
     gpu="local",
     model_jobs="local",
@@ -36,7 +37,8 @@ resource_scopes:
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 if "model_jobs" not in workflow.global_resources:
-    workflow.register_resource("model_jobs", workflow.global_resources["_cores"].value or 1)
+    workflow.register_resource("model_jobs", 1 if workflow.remote_exec
+                               else workflow.global_resources["_cores"].value or 1)
 
 
 def threads_of(step):
