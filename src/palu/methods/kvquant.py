@@ -176,7 +176,6 @@ class KVQuant(QuantizedKV):
     def install(self, model) -> None:
         from ..calib.stats_file import check_model
         from ..decompose.checkpoint import source_hash
-        check_rope(model.config, "kvquant (pre-RoPE keys)")
         check_model(self.loaded.info, model.config, source_hash(model),
                     f"the KVQuant state {self.state if isinstance(self.state, (str, Path)) else ''}".rstrip())
         super().install(model)
