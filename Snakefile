@@ -1,6 +1,6 @@
 # Palu pipeline. The grid (what to run) is conf/grid/default.yaml; another grid:
 #   snakemake --cores 2 --configfile conf/grid/paper.yaml
-# Rules only call Hydra entry points (python -m palu.cli.<step>); see workflow/rules/.
+# Rules only call Hydra entry points (python -m palu.pipeline.cli.<step>); see workflow/rules/.
 # The default grid only when no other is given: Snakemake merges a --configfile over the
 # workflow's own key by key, so the default's blocks (its hadamard, factors and recovery tables,
 # its corpora) would otherwise leak into every other grid.

@@ -54,7 +54,7 @@ def _latent_bytes(B, G, T, r, bits):
 
 def palu_case(shape, B, T, s, kept_k, kept_v, bits, rope, device="cuda", seed=0):
     """Random latents / factors for one configuration, plus its byte and FLOP counts."""
-    from palu_kernels.layout import quantize_latent
+    from palu.quant.packed import quantize_latent
     H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
     G, n_rep = KVH // s, H // KVH
     rk, rv = int(kept_k * s * D), int(kept_v * s * D)

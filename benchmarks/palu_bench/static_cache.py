@@ -3,7 +3,7 @@
 `LatentCache` (the transformers-facing cache) appends into buffers that grow as tokens arrive and
 quantises each new token with torch ops, so its tensors change between steps and a decode step
 cannot be captured in a CUDA graph. This cache allocates `max_tokens` once, in the layout the kernels read
-(`palu_kernels/layout.py`: [batch, groups, tokens, rank], packed along the rank when quantised), and
+(`src/palu/quant/packed.py`: [batch, groups, tokens, rank], packed along the rank when quantised), and
 each step writes the new token's latents in place (quantised on the fly) at a fixed slot, so a
 decode step is a static graph. Positions are contiguous (token i is at position i).
 """
@@ -14,7 +14,7 @@ import os
 import torch
 
 from palu.cache.slots import slot_buffer, slot_nbytes, slot_range
-from palu_kernels.layout import KERNEL_BITS, QuantLatent, quantize_latent
+from palu.quant.packed import KERNEL_BITS, QuantLatent, quantize_latent
 from palu_kernels.quantize import quantize_into
 
 

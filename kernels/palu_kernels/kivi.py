@@ -2,7 +2,7 @@
 over a KIVI cache, keys quantised per channel in groups of `GK` tokens, values per token in groups
 of `GV` channels (asymmetric min-max, k = s n + z), the newest `R` tokens exact in fp16.
 
-Layout (`kivi_pack`): fields packed along the channels by `layout.pack_codes`, as the Palu
+Layout (`kivi_pack`): fields packed along the channels by `palu.quant.packed.pack_codes`, as the Palu
 latents are (byte j of a token holds channel k D/per + j in field k, per = 8 / bits), so
 `unpack._unpack_part` serves both;
 key scales / zeros [B, KVH, T / GK, D], value scales / zeros [B, KVH, T, D / GV], fp16.
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .combine import _combine, _softmax_step
-from .layout import pack_codes, unpack_codes
+from palu.quant.packed import pack_codes, unpack_codes
 from .palu_decode import _use_asm
 from .unpack import _unpack_part
 

@@ -21,7 +21,7 @@ import os
 import torch
 import triton
 
-from .layout import QuantLatent
+from palu.quant.packed import QuantLatent
 from .combine import _combine
 from .one_pass import _fused_norope
 from .options import (_fused_unfit, _qproj_int_fits, _stored_pad, _values_unfit, one_pass_options,  # noqa: F401
@@ -56,7 +56,7 @@ def _bits_and_parts(x, name):
     if data.dim() != 4 or (data.stride(-1) != 1 and data.shape[-1] > 1):
         # the kernels address [batch, group, token] by strides and the rank contiguously
         raise ValueError(f"{name} latents must be [batch, groups, tokens, rank] with unit stride "
-                         f"along the rank (palu_kernels/layout.py); got shape {tuple(data.shape)}, "
+                         f"along the rank (src/palu/quant/packed.py); got shape {tuple(data.shape)}, "
                          f"strides {data.stride()}")
     if isinstance(x, QuantLatent):
         if x.bits not in (2, 4, 8) or x.rank * x.bits != data.shape[-1] * 8:

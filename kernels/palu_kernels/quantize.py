@@ -1,6 +1,6 @@
 """Quantise-and-store of new latent tokens into a preallocated packed cache, one launch.
 
-`palu_kernels.layout.quantize_latent` in torch is ~20 small kernels per tensor; called for keys and
+`palu.quant.packed.quantize_latent` in torch is ~20 small kernels per tensor; called for keys and
 values in every layer of every decode step it cost ~80 µs per layer (measured in the end-to-end
 benchmark, benchmarks/NOTES.md). This kernel does the same per-token min-max quantisation and
 packing for one (sequence, group, token) per program and writes data, scale and zero point in
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layout import MIN_SCALE, ZERO_LIMIT, QuantLatent
+from palu.quant.packed import MIN_SCALE, ZERO_LIMIT, QuantLatent
 
 
 @triton.jit

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import QuantLatent, dequantize_latent
+from palu.quant.packed import QuantLatent, dequantize_latent
 
 
 def rope_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .attention.install import install_palu
-from .calib.fisher import collect_fisher
+from .calib.fisher import FisherWindows, collect_fisher
 from .calib.gram import collect_grams
-from .config import FisherConfig
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag, save_compressed, source_hash
@@ -45,10 +44,8 @@ def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16,
                                samples, seqlen, seed, bos_token_for(tokenizer, bos))
 
 
-# The one default for the Fisher windows, the pipeline's too (config.FisherConfig, which
-# conf/fisher/default.yaml repeats; tests/unit/test_library_api.py checks they agree): other
-# windows than the Gram's, from the same text.
-FISHER_DEFAULTS = asdict(FisherConfig())
+# The one default for the Fisher windows, the pipeline's too (its `fisher:` settings are this dataclass)
+FISHER_DEFAULTS = asdict(FisherWindows())
 
 
 def fisher_data(tokenizer, corpus: str = "wiki_standin", samples: int = FISHER_DEFAULTS["samples"],

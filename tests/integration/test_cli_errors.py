@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def _run(step, *overrides, tmp_path):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", f"palu.cli.{step}", f"paths.work={TEST_WORK}", "tracking=disabled",
+    cmd = [sys.executable, "-m", f"palu.pipeline.cli.{step}", f"paths.work={TEST_WORK}", "tracking=disabled",
            f"paths.results={tmp_path}", f"out={out}", "progress=false", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     return proc, out

@@ -4,7 +4,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import palu
-from palu_kernels.layout import QuantLatent
+from palu.quant.packed import QuantLatent
 from palu.attention.install import set_backend
 from palu.generation import GraphDecoder, bucket_tokens
 from tiny import tiny_llama, tiny_opt, tiny_qwen2

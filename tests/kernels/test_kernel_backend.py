@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from palu_kernels.layout import QuantLatent
+from palu.quant.packed import QuantLatent
 
 import palu
 from palu.attention.install import set_backend

@@ -8,7 +8,7 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from palu_kernels.layout import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
+from palu.quant.packed import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
 from palu_kernels.palu_decode import (one_pass_options, one_pass_tiles, palu_decode, programs_per_sm,  # noqa: E402
                                  qproj_int_default, qproj_options, qproj_pair_default, values_splits)
 from palu_kernels.reference import latent_decode_reference  # noqa: E402
@@ -330,7 +330,7 @@ def test_many_splits_are_combined_in_blocks(rope):
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
-    from palu_kernels.layout import QuantLatent
+    from palu.quant.packed import QuantLatent
     from palu_kernels.quantize import quantize_into
     h = (torch.randn(2, 3, 5, 96) * torch.rand(2, 3, 5, 1) * 4).half().to(DEV)
     h[0, 0, 0] = 0.7                           # a constant row: scale clamps, no division by zero
@@ -349,7 +349,7 @@ def test_quantise_store_kernel_is_bit_identical_to_torch(bits):
 @pytest.mark.parametrize("bits", [4, 2])
 def test_quantise_store_reads_its_start_slot_from_a_tensor(bits):
     # A captured CUDA graph replays with the slot held in device memory, not a Python int.
-    from palu_kernels.layout import QuantLatent
+    from palu.quant.packed import QuantLatent
     from palu_kernels.quantize import quantize_into
     h = torch.randn(1, 2, 1, 64).half().to(DEV)
     per = 8 // bits
@@ -373,7 +373,7 @@ def test_quantise_store_reads_its_start_slot_from_a_tensor(bits):
 def test_quantise_store_puts_tokens_on_the_long_grid_axis():
     # A 64K-token prefill on the grid's second axis (at most 65535 programs) failed on the GPU
     # with "invalid argument"; the first axis takes 2^31 - 1.
-    from palu_kernels.layout import QuantLatent
+    from palu.quant.packed import QuantLatent
     from palu_kernels.quantize import MAX_GRID_Y, quantize_grid, quantize_into
     assert quantize_grid(2, 8, 131072) == (131072, 16)
     h = torch.zeros(MAX_GRID_Y + 1, 1, 1, 32, dtype=torch.float16)
@@ -386,7 +386,7 @@ def test_quantise_store_puts_tokens_on_the_long_grid_axis():
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV == "cpu", reason="70K tokens: slow in the interpreter; runs on a GPU")
 def test_quantise_store_takes_a_prefill_longer_than_65535_tokens():
-    from palu_kernels.layout import QuantLatent
+    from palu.quant.packed import QuantLatent
     from palu_kernels.quantize import quantize_into
     n = 70_000
     h = torch.randn(1, 2, n, 64, device=DEV).half()

@@ -145,7 +145,7 @@ def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
 def test_the_gpu_table_step_logs_its_table_figure_and_plots_to_wandb(tmp_path):
     from omegaconf import OmegaConf
 
-    from palu.tracking import read_runs
+    from palu.pipeline.tracking import read_runs
     from palu_bench.cli.table import run
     cfg = OmegaConf.create({"table": "latency", "inputs": LATENCY, "out": str(tmp_path / "latency"),
                             "figure": str(tmp_path / "latency_speedup.png"),

@@ -31,12 +31,12 @@ def test_sigterm_to_a_rules_shell_ends_its_step_and_leaves_no_output(prepared_mo
         shell, deadline = None, time.time() + 120
         while shell is None and time.time() < deadline:
             for child in psutil.Process(proc.pid).children():      # the rule's shell
-                if any("palu.cli.evaluate" in c for c in [" ".join(child.cmdline())]):
+                if any("palu.pipeline.cli.evaluate" in c for c in [" ".join(child.cmdline())]):
                     shell = child
             time.sleep(0.2)
         assert shell is not None, "the evaluate job never started"
         # the job's process tree as it runs: with `exec`, the shell is the step
-        steps = [p for p in [shell, *shell.children(recursive=True)] if "palu.cli.evaluate" in " ".join(p.cmdline())
+        steps = [p for p in [shell, *shell.children(recursive=True)] if "palu.pipeline.cli.evaluate" in " ".join(p.cmdline())
                  and "python" in p.name()]
         assert steps, [p.cmdline() for p in [shell, *shell.children(recursive=True)]]
         shell.send_signal(signal.SIGTERM)

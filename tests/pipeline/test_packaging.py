@@ -17,7 +17,7 @@ def test_wheel_ships_packages_and_the_config_tree(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     for part in ("pyproject.toml", "README.md", "src", "kernels", "benchmarks", "conf"):
-        if (ROOT / part).is_dir():   # src/palu/conf stays a link to conf/, as in the checkout
+        if (ROOT / part).is_dir():   # src/palu/pipeline/conf stays a link to conf/, as in the checkout
             shutil.copytree(ROOT / part, src / part, symlinks=True,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
         else:
@@ -29,8 +29,8 @@ def test_wheel_ships_packages_and_the_config_tree(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("palu-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     conf = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
-    assert conf and {f"palu/conf/{c}" for c in conf} <= names          # every YAML of conf/
-    for module in ("palu/methods/palu.py", "palu_kernels/palu_decode.py", "palu_kernels/options.py",
+    assert conf and {f"palu/pipeline/conf/{c}" for c in conf} <= names          # every YAML of conf/
+    for module in ("palu/methods/palu.py", "palu/quant/packed.py", "palu/pipeline/cli/evaluate.py", "palu_kernels/palu_decode.py", "palu_kernels/options.py",
                    "palu_bench/cli/table.py", "palu_bench/conf/bench/decode.yaml",
                    "palu/eval/lmeval_tasks/piqa.yaml", "palu/eval/lmeval_tasks/embedded.py"):
         assert module in names

@@ -103,8 +103,8 @@ def _check_wandb_runs(wandb_dir, results):
     """One offline run per executed step (the small grid runs every step but prepare, which the
     fixture did), each with its config, summary and artifacts; a perplexity's lineage reaches
     the calibration through the checkpoint and the ranks; the collect runs hold the tables."""
-    from palu.tracking import format_lineage, lineage, read_runs
-    from palu.tracking.artifacts import KINDS
+    from palu.pipeline.tracking import format_lineage, lineage, read_runs
+    from palu.pipeline.tracking.artifacts import KINDS
     runs = read_runs(wandb_dir)
     jobs = {}
     for run in runs:

@@ -56,7 +56,7 @@ def test_the_error_table_is_the_exact_truncation_error_plus_the_real_quantiser(s
         row = t[-1, 1:]
         assert all(row[i] < row[i + 1] for i in range(len(row) - 1)), row
     # the quantiser term is the real one: rebuild one block's error by hand
-    from palu_kernels.layout import dequantize_latent, quantize_latent
+    from palu.quant.packed import dequantize_latent, quantize_latent
     slot = next(iter(svds))
     U, sigma, V = svds[slot]
     X = projection_inputs(model, calib)[slot.layer]

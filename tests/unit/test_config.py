@@ -6,8 +6,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from palu.config import CONF_DIR
-from palu.config import ConfigError, validate
+from palu.pipeline.config import CONF_DIR, ConfigError, method_defaults, register, validate
+
+register()
 
 GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "kvquant", "zeroshot",
           "longcontext", "tracking", "paths"]
@@ -30,9 +31,18 @@ def kvquant_state(tmp_path_factory):
     return str(path)
 
 
+def _options(group):
+    """A group's options: its files in conf/ (but the `base` they extend) and what the schema
+    stored in Hydra's ConfigStore (`<group>/default`, one `method/<name>` per method)."""
+    from hydra.core.config_store import ConfigStore
+    stored = ConfigStore.instance().repo.get(group, {})
+    files = {p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml")}
+    return sorted((files | {name.removesuffix(".yaml") for name in stored}) - {"base"})
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_option_of_every_group_composes_and_validates(group, kvquant_state):
-    options = sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+    options = _options(group)
     assert options
     needs = {"palu": ["method.checkpoint=ckpt"], "kvquant": [f"method.state={kvquant_state}"]}
     for option in options:
@@ -40,10 +50,24 @@ def test_every_option_of_every_group_composes_and_validates(group, kvquant_state
         extra = needs.get(option, []) if group == "method" else []
         cfg = validate(_compose([f"{group}={option}", *extra]))
         # the option's own values arrive in the validated config
-        own = OmegaConf.load(Path(CONF_DIR) / group / f"{option}.yaml")
-        for key, value in OmegaConf.to_container(own).items():
-            if value is not None and not str(value).startswith(("???", "${")):
+        path = Path(CONF_DIR) / group / f"{option}.yaml"
+        own = (OmegaConf.to_container(OmegaConf.load(path)) if path.is_file()
+               else method_defaults(option) if group == "method" else {})
+        for key, value in own.items():
+            if key != "defaults" and value is not None and not str(value).startswith(("???", "${")):
                 assert cfg[group][key] == value, (group, option, key)
+
+
+def test_no_group_restates_the_schema():
+    """The schema's dataclasses are the one home of every default: no conf/<group>/default.yaml,
+    no method YAML (a method's options are its dataclass fields)."""
+    from palu.methods import method_names
+    assert [p.parent.name for p in Path(CONF_DIR).glob("*/default.yaml")] == ["grid"]   # a grid, not a group
+    assert not (Path(CONF_DIR) / "method").exists()
+    assert set(_options("method")) == set(method_names())
+    cfg = validate(_compose())
+    assert cfg.zeroshot.limit == 20 and cfg.tracking.dir == "work/wandb"
+    assert validate(_compose(["paths.work=/tmp/w"])).tracking.dir == "/tmp/w/wandb"
 
 
 @pytest.mark.parametrize("override, key", [

@@ -3,7 +3,7 @@ exactly what concatenation would, through crop, batch selection and beam reorder
 import pytest
 import torch
 
-from palu_kernels.layout import dequantize_latent
+from palu.quant.packed import dequantize_latent
 from palu.cache.latent_cache import LatentCache
 
 

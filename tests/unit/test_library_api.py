@@ -28,8 +28,13 @@ def test_calibration_data_takes_your_own_text():
 
 
 def test_fisher_default_is_the_pipelines():
-    conf = yaml.safe_load((Path(palu.__file__).parent / "conf/fisher/default.yaml").read_text())
-    assert conf == FISHER_DEFAULTS
+    from hydra import compose, initialize_config_dir
+
+    from palu.pipeline.config import CONF_DIR, register, validate
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        conf = validate(compose(config_name="config"))
+    assert dict(conf.fisher) == FISHER_DEFAULTS
     tok = tiny_tokenizer()
     a = palu.fisher_data(tok, text=TEXT, seqlen=16)
     b = palu.calibration_data(tok, text=TEXT, samples=FISHER_DEFAULTS["samples"], seqlen=16,

@@ -122,7 +122,7 @@ def _lc_result(tmp_path, method, scores):
 
 def test_the_long_context_table_and_heatmap(tmp_path):
     from palu.eval.stats import paired_difference
-    from palu.reporting.longcontext_table import longcontext_frame, needle_heatmap, to_markdown, _load
+    from palu.pipeline.reporting.longcontext_table import longcontext_frame, needle_heatmap, to_markdown, _load
     paths = [_lc_result(tmp_path, "fp16", [1.0] * 20), _lc_result(tmp_path, "bad", [0.0] * 20),
              _lc_result(tmp_path, "two", [1.0] * 18 + [0.0] * 2)]
     frame = longcontext_frame(paths).set_index(["method", "task"])

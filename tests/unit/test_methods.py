@@ -1,17 +1,15 @@
-"""Every conf/method/*.yaml maps to a registered class and back; bad method configs are named."""
-from pathlib import Path
-
+"""Every registered method is a `method` option of the config (its fields and their defaults, as
+`palu.pipeline.config.method_defaults` stores them) and builds from it; bad method configs are named."""
 import pytest
-import yaml
 
-from palu.config import CONF_DIR
 from palu.methods import REGISTRY, MethodError, build_method, method_names
+from palu.pipeline.config import method_defaults
 
-YAMLS = {p.stem: yaml.safe_load(p.read_text()) for p in (Path(CONF_DIR) / "method").glob("*.yaml")}
+YAMLS = {name: method_defaults(name) for name in method_names()}
 
 
-def test_every_method_yaml_names_a_registered_class_and_every_class_has_a_yaml():
-    assert set(YAMLS) == set(method_names())
+def test_every_registered_method_is_an_option_named_after_it():
+    assert set(YAMLS) == set(REGISTRY) and len(YAMLS) >= 6
     for stem, conf in YAMLS.items():
         assert conf["name"] == stem and REGISTRY[stem].name == stem
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import palu
+from palu.decompose.lineage import lineage_of
 from palu.cache.latent_cache import LatentCache
 from palu.data.windows import bos_token_for, calibration_windows, evaluation_windows
 from palu.io import NonFiniteResultError, write_json
@@ -174,7 +175,7 @@ def test_metric_writers_refuse_non_finite_values(tmp_path, bad):
 
 
 def test_tables_refuse_a_non_finite_run(tmp_path):
-    from palu.reporting.tables import build_table
+    from palu.pipeline.reporting.tables import build_table
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"metrics": {"model": "m", "method": "fp16", "corpus": "c",
                                            "corpus_label": "c", "seqlen": 8, "tokens": 8,
@@ -199,7 +200,7 @@ def test_result_paths_name_the_calibration_and_every_evaluation_setting():
     from palu.pipeline import naming
 
     def path(manifest, **kw):
-        run = naming.run_name(manifest["tag"], naming.lineage_of(manifest))
+        run = naming.run_name(manifest["tag"], lineage_of(manifest))
         args = dict(dtype="float32", calibration_fraction=0.3, bos="auto") | kw
         return naming.metrics_path("results", "m", run, "wiki_standin", 2048, 8192, **args)
     base = path(_manifest())
@@ -209,7 +210,7 @@ def test_result_paths_name_the_calibration_and_every_evaluation_setting():
     assert len({base, *variants}) == 6
     # a library-saved checkpoint has no named calibration: its factors' hash names it
     bare = {**_manifest(), "settings": {}}
-    assert naming.lineage_of(bare) == ("checkpoint-" + "ab" * 6,)
+    assert lineage_of(bare) == ("checkpoint-" + "ab" * 6,)
 
 
 def test_the_grid_names_a_run_as_its_checkpoint_will():
@@ -220,11 +221,11 @@ def test_the_grid_names_a_run_as_its_checkpoint_will():
     grid = Grid.load("conf/grid/default.yaml")
     spec = PaluSpec("whitened", "uniform", 0.5, 1)
     m = _manifest()
-    assert grid.run_name(spec) == naming.run_name(spec.tag, naming.lineage_of(m))
+    assert grid.run_name(spec) == naming.run_name(spec.tag, lineage_of(m))
 
 
 def test_an_evaluation_by_hand_writes_under_the_work_folder():
-    from palu.config import validate
+    from palu.pipeline.config import validate
     from palu.methods import build_method
     from palu.pipeline import naming
     from omegaconf import OmegaConf
@@ -238,7 +239,7 @@ def test_an_evaluation_by_hand_writes_under_the_work_folder():
 def test_a_path_for_an_embedded_corpus_is_refused(section):
     from omegaconf import OmegaConf
 
-    from palu.config import ConfigError, validate
+    from palu.pipeline.config import ConfigError, validate
     cfg = OmegaConf.create({"model": {"name": "m", "id": "x"}, section: {"path": "/my/wiki"}})
     with pytest.raises(ConfigError, match=rf"{section}.path='/my/wiki' cannot be used"):
         validate(cfg)
@@ -264,13 +265,13 @@ def test_progress_off_still_logs_a_line_per_tenth(caplog):
 
 
 def test_a_rerun_resumes_its_wandb_run():
-    from palu.tracking.wandb_run import run_id
+    from palu.pipeline.tracking.wandb_run import run_id
     assert run_id("p", "evaluate", "m/fp16/x") == run_id("p", "evaluate", "m/fp16/x")
     assert run_id("p", "evaluate", "m/fp16/x") != run_id("p", "evaluate", "m/fp16/y")
 
 
 def test_a_table_refuses_two_runs_under_one_label(tmp_path):
-    from palu.reporting.tables import build_table
+    from palu.pipeline.reporting.tables import build_table
     paths = []
     for i, ppl in enumerate((5.0, 6.0)):
         paths.append(tmp_path / f"r{i}.json")

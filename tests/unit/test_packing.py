@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import palu
-from palu_kernels.layout import dequantize_latent, packed_width, quantize_latent
+from palu.quant.packed import dequantize_latent, packed_width, quantize_latent
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -45,7 +45,7 @@ def _run(tmp_path, method, nll, corpus="wiki_standin"):
 
 
 def test_tables_show_intervals_and_paired_differences(tmp_path):
-    from palu.reporting.tables import build_table, to_markdown
+    from palu.pipeline.reporting.tables import build_table, to_markdown
     rng = np.random.default_rng(2)
     hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
     paths = [_run(tmp_path, "fp16", hard), _run(tmp_path, "worse", [h + 0.1 * 128 for h in hard]),
@@ -60,7 +60,7 @@ def test_tables_show_intervals_and_paired_differences(tmp_path):
 
 def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
     """rank_allocation rows against uniform at the same kept ratio and granularity (issue 21)."""
-    from palu.reporting.tables import build_table, to_markdown
+    from palu.pipeline.reporting.tables import build_table, to_markdown
     rng = np.random.default_rng(3)
     hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
 

@@ -33,7 +33,7 @@ def test_an_unknown_rotation_is_refused_naming_it():
         rotation_matrix("givens", 8)
     from omegaconf import OmegaConf
 
-    from palu.config import ConfigError, validate
+    from palu.pipeline.config import ConfigError, validate
     with pytest.raises(ConfigError, match="palu.rotation='givens'"):
         validate(OmegaConf.create({"model": {"name": "m", "id": "x"}, "palu": {"rotation": "givens"}}))
 

@@ -113,7 +113,7 @@ def test_the_svd_signs_are_canonical_so_quantised_latents_do_not_depend_on_the_m
     U2, s2, Vh2 = canonical_svd((U * flip * s) @ (Vh * flip[:, None]))   # the same matrix
     assert torch.allclose(U2, U, atol=1e-10) and torch.allclose(Vh2, Vh, atol=1e-10)
     # what the sign decides: a flipped latent channel changes the per-token min-max quantisation
-    from palu_kernels.layout import dequantize_latent, quantize_latent
+    from palu.quant.packed import dequantize_latent, quantize_latent
     h = torch.randn(1, 1, 64, 8, generator=torch.Generator().manual_seed(5))
     flipped = h.clone()
     flipped[..., 0] *= -1

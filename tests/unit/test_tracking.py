@@ -13,11 +13,11 @@ import pandas as pd
 import pytest
 
 from conftest import ROOT
-from palu.tracking import TrackingError, check_tracking, format_lineage, lineage, read_runs, tracked_step
-from palu.tracking.artifacts import alias_of, artifact_name, fingerprint
-from palu.tracking.offline import run_folders
-from palu.tracking.plots import native_plots
-from palu.tracking.sync import plan
+from palu.pipeline.tracking import TrackingError, check_tracking, format_lineage, lineage, read_runs, tracked_step
+from palu.pipeline.tracking.artifacts import alias_of, artifact_name, fingerprint
+from palu.pipeline.tracking.offline import run_folders
+from palu.pipeline.tracking.plots import native_plots
+from palu.pipeline.tracking.sync import plan
 from tiny import save_tiny, tiny_llama, tiny_tokenizer
 
 
@@ -163,7 +163,7 @@ def test_bad_tracking_settings_fail_before_any_work(tmp_path):
     out = tmp_path / "ranks.json"
     for override, message in [("tracking.mode=sometimes", "tracking.mode='sometimes'"),
                               (f"tracking.dir={blocker}/wandb", "cannot be written")]:
-        proc = subprocess.run([sys.executable, "-m", "palu.cli.ranks", f"paths.work={tmp_path}",
+        proc = subprocess.run([sys.executable, "-m", "palu.pipeline.cli.ranks", f"paths.work={tmp_path}",
                                override, f"out={out}"], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode != 0 and message in proc.stderr + proc.stdout
         assert not out.exists()
@@ -172,7 +172,7 @@ def test_bad_tracking_settings_fail_before_any_work(tmp_path):
 def test_the_prepare_step_logs_the_model_folder_by_reference(tmp_path):
     src = save_tiny(tiny_llama(0), tiny_tokenizer(), tmp_path / "tiny")
     out, wandb_dir = tmp_path / "work" / "models" / "tiny", tmp_path / "work" / "wandb"
-    proc = subprocess.run([sys.executable, "-m", "palu.cli.prepare", f"model.id={src}", "model.name=tiny",
+    proc = subprocess.run([sys.executable, "-m", "palu.pipeline.cli.prepare", f"model.id={src}", "model.name=tiny",
                            f"paths.work={tmp_path / 'work'}", "tracking.upload=none", f"out={out}"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -200,11 +200,11 @@ def test_the_lineage_command_lists_runs_and_names_a_missing_folder(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     t, a, b, c = _three_steps(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    show = subprocess.run([sys.executable, "-m", "palu.cli.lineage", f"tracking.dir={t.dir}", f"target={c}"],
+    show = subprocess.run([sys.executable, "-m", "palu.pipeline.cli.lineage", f"tracking.dir={t.dir}", f"target={c}"],
                           capture_output=True, text=True, env=env)
     assert show.returncode == 0, show.stderr[-2000:]
     assert "made by evaluate run" in show.stdout and "made by calibrate run" in show.stdout
-    empty = subprocess.run([sys.executable, "-m", "palu.cli.lineage", f"tracking.dir={tmp_path / 'none'}"],
+    empty = subprocess.run([sys.executable, "-m", "palu.pipeline.cli.lineage", f"tracking.dir={tmp_path / 'none'}"],
                            capture_output=True, text=True, env=env)
     assert empty.returncode != 0 and "no offline W&B runs" in empty.stderr + empty.stdout
     assert len(run_folders(t.dir)) == 3

@@ -16,7 +16,7 @@ from conftest import ROOT
 from palu.eval.stats import paired_difference, stratified_mean, wilson_interval
 from palu.eval.zeroshot import TASK_DIR, TASKS, check_request, method_lm
 from palu.methods import build_method
-from palu.reporting.zeroshot_table import to_markdown, zeroshot_frame
+from palu.pipeline.reporting.zeroshot_table import to_markdown, zeroshot_frame
 from tiny import tiny_llama, tiny_tokenizer
 
 SIZES = {"piqa": 1838, "arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042, "winogrande": 1267,
@@ -93,7 +93,7 @@ def test_bad_zero_shot_requests_fail_before_any_work(tmp_path):
     out = tmp_path / "zs.json"
     for override, message in [("zeroshot.limit=0", "zeroshot.limit=0"),
                               ("zeroshot.tasks=[piqa,squad]", "squad")]:
-        proc = subprocess.run([sys.executable, "-m", "palu.cli.zeroshot", "tracking=disabled", override,
+        proc = subprocess.run([sys.executable, "-m", "palu.pipeline.cli.zeroshot", "tracking=disabled", override,
                                f"out={out}"], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr[-1500:]
         assert not out.exists()

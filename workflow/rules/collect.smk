@@ -16,7 +16,7 @@ rule collect_table:
         inputs=lambda w, input: ",".join(input),
         prefix=lambda w: str(naming.table_prefix(R, w.table)),
     shell:
-        "exec {PY} -m palu.cli.collect table={wildcards.table} 'inputs=[{params.inputs}]' "
+        "exec {PY} -m palu.pipeline.cli.collect table={wildcards.table} 'inputs=[{params.inputs}]' "
         "out={params.prefix} {TRACK} > {log} 2>&1"
 
 
@@ -30,7 +30,7 @@ rule rank_allocation_figure:
     params:
         inputs=lambda w, input: ",".join(input),
     shell:
-        "exec {PY} -m palu.cli.collect table=rank_figure 'inputs=[{params.inputs}]' out={output} "
+        "exec {PY} -m palu.pipeline.cli.collect table=rank_figure 'inputs=[{params.inputs}]' out={output} "
         "{TRACK} > {log} 2>&1"
 
 
@@ -48,7 +48,7 @@ rule cache_memory_run:
     threads: threads_of("cache_memory_run")
     resources: **needs("cache_memory_run")
     shell:
-        "exec {PY} -m palu.cli.generate {COMMON} {params.method} data={params.corpus} "
+        "exec {PY} -m palu.pipeline.cli.generate {COMMON} {params.method} data={params.corpus} "
         "generate.context={params.context} out={output} progress=false "
         "> {log} 2>&1"
 
@@ -65,5 +65,5 @@ rule cache_memory:
         inputs=lambda w, input: ",".join(input),
         prefix=str(naming.table_prefix(R, "cache_memory")),
     shell:
-        "exec {PY} -m palu.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
+        "exec {PY} -m palu.pipeline.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
         "out={params.prefix} {TRACK} > {log} 2>&1"

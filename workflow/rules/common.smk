@@ -5,7 +5,7 @@ from palu.decompose.factors import DECOMPOSITIONS
 from palu.decompose.ranks import PROBED, RANK_METHODS
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid, KVQuantSpec, PaluSpec
-from palu.tracking import check_tracking
+from palu.pipeline.tracking import check_tracking
 
 GRID = Grid(config)
 PY = sys.executable          # shell commands must use the venv's interpreter

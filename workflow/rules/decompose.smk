@@ -12,7 +12,7 @@ rule ranks_uniform:
     log:
         log("ranks", "uniform-k{kept}-g{group}"),
     shell:
-        "exec {PY} -m palu.cli.ranks {COMMON} palu.rank_method=uniform palu.kept_ratio={wildcards.kept} "
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} palu.rank_method=uniform palu.kept_ratio={wildcards.kept} "
         "palu.group_size={wildcards.group} out={output} > {log} 2>&1"
 
 
@@ -27,7 +27,7 @@ rule ranks_fisher:
     log:
         log("ranks", "{method}-k{kept}-g{group}"),
     shell:
-        "exec {PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
 
 
 # error_aware spends ranks against each block's exact truncation error (the whitened spectrum
@@ -47,7 +47,7 @@ rule ranks_probed:
     threads: threads_of("ranks_probed")
     resources: **needs("ranks_probed")
     shell:
-        "exec {PY} -m palu.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
 
 
 rule decompose:
@@ -69,7 +69,7 @@ rule decompose:
     params:
         palu=lambda w: GRID.decompose_overrides(spec_of(w)),
     shell:
-        "exec {PY} -m palu.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
 
 
 # LoRA recovery of a checkpoint (grid `recovery:`): the same ranks, A refined on calibration text
@@ -94,5 +94,5 @@ if config.get("recovery"):
         params:
             recovery=GRID.recovery_overrides(),
         shell:
-            "exec {PY} -m palu.cli.recover {COMMON} {params.recovery} recovery.checkpoint={input.base} "
+            "exec {PY} -m palu.pipeline.cli.recover {COMMON} {params.recovery} recovery.checkpoint={input.base} "
             "out={output} progress=false > {log} 2>&1"

@@ -15,6 +15,6 @@ rule evaluate:
         max_tokens=max_tokens,
         method=lambda w: GRID.run_overrides(w.run),
     shell:
-        "exec {PY} -m palu.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
+        "exec {PY} -m palu.pipeline.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
         "data.seqlen={wildcards.seqlen} data.max_tokens={params.max_tokens} out={output} "
         "progress=false > {log} 2>&1"

@@ -27,7 +27,7 @@ if config.get("longcontext"):
             method=lambda w: GRID.run_overrides(w.run),
             suite=lambda w: GRID.longcontext_overrides(w.suite),
         shell:
-            "exec {PY} -m palu.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
+            "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
 
     localrules: longcontext_table, needle_heatmap
@@ -44,7 +44,7 @@ if config.get("longcontext"):
             inputs=lambda w, input: ",".join(input),
             prefix=str(naming.table_prefix(R, "longcontext")),
         shell:
-            "exec {PY} -m palu.cli.collect table=longcontext 'inputs=[{params.inputs}]' "
+            "exec {PY} -m palu.pipeline.cli.collect table=longcontext 'inputs=[{params.inputs}]' "
             "out={params.prefix} {TRACK} > {log} 2>&1"
 
     rule needle_heatmap:
@@ -57,5 +57,5 @@ if config.get("longcontext"):
         params:
             inputs=lambda w, input: ",".join(input),
         shell:
-            "exec {PY} -m palu.cli.collect table=needle_heatmap 'inputs=[{params.inputs}]' out={output} "
+            "exec {PY} -m palu.pipeline.cli.collect table=needle_heatmap 'inputs=[{params.inputs}]' out={output} "
             "{TRACK} > {log} 2>&1"

@@ -23,7 +23,7 @@ if GRID.kvquant_specs():
         params:
             kv=GRID.kvquant_overrides(GRID.kvquant_specs()[0]),
         shell:
-            "exec {PY} -m palu.cli.kvquant_capture {COMMON} {params.kv} out={output} progress=false > {log} 2>&1"
+            "exec {PY} -m palu.pipeline.cli.kvquant_capture {COMMON} {params.kv} out={output} progress=false > {log} 2>&1"
 
     rule fit_kvquant:
         input:
@@ -43,7 +43,7 @@ if GRID.kvquant_specs():
         params:
             kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
         shell:
-            "exec {PY} -m palu.cli.fit_kvquant {COMMON} {params.kv} kvquant.activations={input} "
+            "exec {PY} -m palu.pipeline.cli.fit_kvquant {COMMON} {params.kv} kvquant.activations={input} "
             "out={output} progress=false > {log} 2>&1"
 
 
@@ -58,7 +58,7 @@ rule ppl_vs_bytes_figure:
     log:
         log("collect", "ppl_vs_bytes"),
     shell:
-        "exec {PY} -m palu.cli.collect table=ppl_vs_bytes 'inputs=[{input}]' out={output} "
+        "exec {PY} -m palu.pipeline.cli.collect table=ppl_vs_bytes 'inputs=[{input}]' out={output} "
         "{TRACK} > {log} 2>&1"
 
 
@@ -76,5 +76,5 @@ rule latent_outliers_figure:
     threads: threads_of("latent_outliers_figure")
     resources: **needs("latent_outliers_figure")
     shell:
-        "exec {PY} -m palu.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
+        "exec {PY} -m palu.pipeline.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
         "corpus={params.corpus} out={output} {TRACK} > {log} 2>&1"

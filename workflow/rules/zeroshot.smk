@@ -22,7 +22,7 @@ if config.get("zeroshot"):
             method=lambda w: GRID.run_overrides(w.run),
             zeroshot=GRID.zeroshot_overrides(),
         shell:
-            "exec {PY} -m palu.cli.zeroshot {COMMON} {params.method} {params.zeroshot} out={output} "
+            "exec {PY} -m palu.pipeline.cli.zeroshot {COMMON} {params.method} {params.zeroshot} out={output} "
             "progress=false > {log} 2>&1"
 
     localrules: zeroshot_table
@@ -39,5 +39,5 @@ if config.get("zeroshot"):
             inputs=lambda w, input: ",".join(input),
             prefix=str(naming.table_prefix(R, "zeroshot")),
         shell:
-            "exec {PY} -m palu.cli.collect table=zeroshot 'inputs=[{params.inputs}]' "
+            "exec {PY} -m palu.pipeline.cli.collect table=zeroshot 'inputs=[{params.inputs}]' "
             "out={params.prefix} {TRACK} > {log} 2>&1"

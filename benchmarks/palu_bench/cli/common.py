@@ -12,6 +12,6 @@ def tracked(cfg, job_type: str, name: str | None = None, used: dict | None = Non
     """The W&B run of one benchmark step (named by its output file)."""
     from omegaconf import OmegaConf
 
-    from palu.tracking import tracked_step
+    from palu.pipeline.tracking import tracked_step
     return tracked_step(cfg.tracking, OmegaConf.to_container(cfg, resolve=True), job_type=job_type,
                         name=name or f"{job_type}/{Path(cfg.out).stem}", group="gpu-benchmarks", used=used)

@@ -61,7 +61,7 @@ def run(cfg) -> None:
         frame = TABLES[cfg.table](inputs, cfg.out, cfg.figure, **extra)
         wb.table(f"tables/{cfg.table}", frame)
         if wb.enabled:
-            from palu.tracking.plots import native_plots
+            from palu.pipeline.tracking.plots import native_plots
             wb.log(native_plots(cfg.table, frame))
         wb.image(f"figures/{Path(cfg.figure).stem}", cfg.figure)
         wb.make("table", f"{cfg.out}.csv")

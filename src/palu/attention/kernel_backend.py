@@ -22,7 +22,7 @@ def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
     packed width, None for unquantised latents)."""
     if x.shape[1] != 1:
         return "prefill (more than one query token)"
-    from palu_kernels.layout import KERNEL_BITS
+    from palu.quant.packed import KERNEL_BITS
     if bits is not None and bits not in KERNEL_BITS:
         return f"{bits}-bit latents (the kernels read {KERNEL_BITS})"
     if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:

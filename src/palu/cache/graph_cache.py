@@ -3,7 +3,7 @@
 `LatentCache` grows its buffers and decides things on the host as tokens arrive (buffer room,
 position contiguity), so every decode step runs eagerly: at 7B shapes a Palu layer costs ~1.5 ms
 of Python per token (measured; benchmarks/NOTES.md). `GraphLatentCache` allocates `max_tokens`
-slots per layer once, in the kernels' layout (`palu_kernels/layout.py`: [batch, groups, tokens, rank],
+slots per layer once, in the kernels' layout (`src/palu/quant/packed.py`: [batch, groups, tokens, rank],
 packed along the rank when quantised), and writes token i at slot i with device-side indices
 (`position_ids`). Nothing it does in a one-token step reads a device value on the host, so
 `palu.generation.GraphDecoder` captures the whole model step as one CUDA graph and replays it.
@@ -20,7 +20,7 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from palu_kernels.layout import KERNEL_BITS, QuantLatent, dequantize_latent, pack_unit, quantize_latent
+from palu.quant.packed import KERNEL_BITS, QuantLatent, dequantize_latent, pack_unit, quantize_latent
 from ..models.adapters import sliding_window_of
 from .protocol import causal_mask, check_latent_model
 from .slots import slot_buffer, slot_nbytes, slot_range

@@ -6,7 +6,7 @@ groups side by side (groups may have different ranks) — plus the token positio
 RoPE needs when keys are rebuilt.
 
 `LatentCache(model, bits=4)` (or 2, 3, 8) stores the latents quantised per token and group in the
-packed layout of `palu_kernels.layout` (`channel_group=32`: one scale per 32 latent channels of a
+packed layout of `palu.quant.packed` (`channel_group=32`: one scale per 32 latent channels of a
 group instead of per group; the torch path reads those) (`keys` / `values` then hold the packed bytes of all groups
 side by side, and `key_sz` / `value_sz` (B, T, G, 2) their fp16 scales and zero points). The
 decode kernels read 2 / 4 / 8-bit latents as they are; the torch path (and 3-bit) gets them
@@ -24,7 +24,7 @@ import itertools
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from palu_kernels.layout import (KERNEL_BITS, SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent,
+from palu.quant.packed import (KERNEL_BITS, SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent,
                                  packed_width, quantize_latent)
 
 from .protocol import causal_mask, check_latent_model

@@ -106,7 +106,7 @@ class TensorLatents:
         return self.hk, self.hv
 
     def kernel_latents(self, groups: int):
-        from palu_kernels.layout import as_groups
+        from palu.quant.packed import as_groups
         return tuple(as_groups(h.unsqueeze(1), groups) for h in (self.hk, self.hv))
 
     def kernel_positions(self) -> dict:

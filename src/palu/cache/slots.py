@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from palu_kernels.layout import QuantLatent
+from palu.quant.packed import QuantLatent
 
 
 def slot_buffer(batch, groups, tokens, rank, bits, device, dtype):

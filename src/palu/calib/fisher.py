@@ -14,12 +14,24 @@ group size can be reduced from it later):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..models.adapters import adapter_for, geometry_of
 from ..progress import steps
 
 FISHER_STATS = ("fisher", "rms_fisher", "output_fisher")    # what the fisher step saves
+
+
+@dataclass
+class FisherWindows:
+    """The windows squared gradients are accumulated over: other windows (seed) than the Gram's,
+    from the same calibration text. The one home of these defaults: `palu.fisher_data` and the
+    pipeline's `fisher.*` settings both read them."""
+    samples: int = 8
+    seqlen: int = 2048
+    seed: int = 1
 # float16 gradients flush below 6e-8 (a 7B model's K/V weight gradients sit near there): the loss
 # is multiplied by a power of two before the backward pass and every statistic divided by it
 # after, as mixed-precision training does; a pass that overflows is redone at half the scale.

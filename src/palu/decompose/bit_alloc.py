@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from palu_kernels.layout import dequantize_latent, packed_width, quantize_latent
+from palu.quant.packed import dequantize_latent, packed_width, quantize_latent
 
 from ..models.adapters import adapter_for, geometry_of
 from .ranks import Slot, slots

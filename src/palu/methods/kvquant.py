@@ -88,7 +88,7 @@ class KVQuantState:
         path = Path(path)
         if not (path / "manifest.json").is_file():
             raise FileNotFoundError(f"{path}: no KVQuant state (manifest.json); fit one with "
-                                    "python -m palu.cli.fit_kvquant")
+                                    "python -m palu.pipeline.cli.fit_kvquant")
         manifest = json.loads((path / "manifest.json").read_text())
         if manifest.get("format") != FORMAT or manifest.get("method") != "kvquant":
             raise ValueError(f"{path}: not a format-{FORMAT} KVQuant state")
@@ -142,7 +142,7 @@ class KVQuant(QuantizedKV):
     def check(self) -> None:
         if self.state is None:
             raise MethodError("method=kvquant needs method.state=<a fitted KVQuant state folder> "
-                              "(python -m palu.cli.fit_kvquant) or a KVQuantState")
+                              "(python -m palu.pipeline.cli.fit_kvquant) or a KVQuantState")
         if not isinstance(self.sink, int) or self.sink < 0:
             raise MethodError(f"method.sink={self.sink!r} must be a non-negative integer")
         if self.bits is not None:

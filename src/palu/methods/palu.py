@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..cache.latent_cache import LatentCache
 from ..decompose.checkpoint import load_compressed, read_manifest
+from ..decompose.lineage import lineage_of
 from .base import CacheMethod, MethodError
 
 BITS = (16, 8, 4, 3, 2)   # 16: latents kept in the model's dtype; 3: torch path (no kernels)
@@ -57,7 +58,6 @@ class Palu(CacheMethod):
                 + ("" if self.channel_group is None else f"-cg{self.channel_group}"))
 
     def lineage(self) -> tuple[str, ...]:
-        from ..pipeline.naming import lineage_of   # naming imports this module
         return lineage_of(self.manifest)
 
     def inputs(self) -> dict[str, str]:

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import yaml
 from omegaconf import OmegaConf
 
-from ..config import CONF_DIR
-from ..decompose.checkpoint import rotation_tag
-from . import naming
+from palu.pipeline.config import CONF_DIR
+from palu.decompose.checkpoint import rotation_tag
+from palu.decompose.lineage import palu_lineage
+from palu.pipeline import naming
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
@@ -63,7 +64,7 @@ class KVQuantSpec:
 
     @property
     def tag(self) -> str:
-        from ..methods.kvquant import state_tag
+        from palu.methods.kvquant import state_tag
         return state_tag(self.bits, self.weighting, self.outlier_fraction)
 
 
@@ -79,7 +80,7 @@ class Grid:
         self.model = config["model"]
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
         self.device = config.get("device", "cpu")
-        from .jobs import MODEL_STEPS
+        from palu.pipeline.jobs import MODEL_STEPS
         for step in MODEL_STEPS:        # a bad device or `resources:` value stops the plan here
             self.job_resources(step)
         cal, fis = config["calibration"], config["fisher"]
@@ -101,12 +102,12 @@ class Grid:
 
     def job_resources(self, step: str):
         """Threads, host memory and wall time of one model job (`jobs.job_resources`)."""
-        from .jobs import job_resources
+        from palu.pipeline.jobs import job_resources
         return job_resources(self.c.get("resources"), self.device, step)
 
     def scheduler_resources(self, step: str) -> dict:
         """The Snakemake `resources:` of one model job, a GPU included where it needs one."""
-        from .jobs import scheduler_resources
+        from palu.pipeline.jobs import scheduler_resources
         return scheduler_resources(self.c.get("resources"), self.device, step)
 
     def model_conf(self):
@@ -122,7 +123,7 @@ class Grid:
     def geometry(self):
         # once per grid: without a prepared model this parses the GGUF file (seconds), and
         # Snakemake asks for the runs in every input function
-        from ..models.loading import load_geometry
+        from palu.models.loading import load_geometry
         return load_geometry(naming.model_source(self.work, self.model, self.model_conf().id))
 
     def group_sizes(self, value) -> list[int]:
@@ -163,7 +164,7 @@ class Grid:
         f = self.c.get("factors")
         if not f:
             return []
-        from ..decompose.factors import DECOMPOSITIONS
+        from palu.decompose.factors import DECOMPOSITIONS
         stray = [d for d in f["decompositions"] if d not in DECOMPOSITIONS]
         if stray:
             raise ValueError(f"grid factors.decompositions {stray} are not among {list(DECOMPOSITIONS)}")
@@ -173,7 +174,7 @@ class Grid:
 
     def recovery_settings(self) -> dict:
         """The grid's recovery settings over the step's defaults (config.RecoveryConfig)."""
-        from ..config import RecoveryConfig
+        from palu.pipeline.config import RecoveryConfig
         defaults = {k: v for k, v in asdict(RecoveryConfig()).items() if k != "checkpoint"}
         r = self.c.get("recovery") or {}
         stray = sorted(set(r) - set(defaults) - {"runs", "corpora"})
@@ -195,8 +196,8 @@ class Grid:
         b = self.c.get("byte_budget")
         if not b:
             return []
-        from ..decompose.bit_alloc import byte_ratio
-        from ..decompose.ranks import allocate
+        from palu.decompose.bit_alloc import byte_ratio
+        from palu.decompose.ranks import allocate
         group = self.kv_heads() if b["group_size"] == "kv_heads" else int(b["group_size"])
         geom, out = self.geometry, []
         for entry in b["budgets"]:
@@ -374,7 +375,7 @@ class Grid:
                          f"kvquant.tokens_per_window={k.get('tokens_per_window', 256)}"])
 
     def _configured_methods(self, confs) -> dict[str, dict]:
-        from ..methods import build_method
+        from palu.methods import build_method
         out = {}
         for conf in confs or []:
             method = build_method(conf)
@@ -467,7 +468,7 @@ class Grid:
         loads (`naming.lineage_of` for Palu; the fitting windows for KVQuant)."""
         if isinstance(spec, KVQuantSpec):
             return naming.run_name(spec.tag, (self.kvquant_ktag(),))
-        return naming.run_name(spec.tag, naming.palu_lineage(self.ctag, self.ftag, spec.rank_method,
+        return naming.run_name(spec.tag, palu_lineage(self.ctag, self.ftag, spec.rank_method,
                                                              self.c["rank_multiple"]))
 
     @cached_property

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag
-from ..methods.palu import bits_tag
+from palu.decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag
+from palu.decompose.lineage import bos_tag, calibration_tag, fisher_tag
+from palu.methods.palu import bits_tag
 
 
 def fmt_ratio(x: float | str) -> str:
@@ -26,23 +27,6 @@ def model_source(work: str, model: str, model_id: str) -> str:
     """The prepared (fast-loading) copy of a model if the pipeline made one, else its id."""
     prepared = prepared_model_dir(work, model)
     return str(prepared) if (prepared / "config.json").is_file() else model_id
-
-
-def bos_tag(bos: str) -> str:
-    # `auto` follows the model's own tokenizer, so the model in the path already fixes it; an
-    # explicit choice that may differ from the model's convention is named
-    return "" if bos == "auto" else f"-bos_{bos}"
-
-
-def calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, dtype: str = "float32",
-                    bos: str = "auto") -> str:
-    """Every setting that changes the calibration statistics (and so every checkpoint made from
-    them): corpus, windows, seed, the dtype the model ran in, the BOS choice."""
-    return f"{corpus}-n{samples}-L{seqlen}-s{seed}-{dtype}{bos_tag(bos)}"
-
-
-def fisher_tag(samples: int, seqlen: int, seed: int) -> str:
-    return f"fisher-n{samples}-L{seqlen}-s{seed}"
 
 
 def gram_path(work: str, model: str, ctag: str) -> Path:
@@ -106,30 +90,9 @@ def kvquant_dir(work: str, model: str, ktag: str, state: str) -> Path:
     return Path(work) / "kvquant" / model / ktag / state
 
 
-def lineage_of(manifest: dict) -> tuple[str, ...]:
-    """What a Palu checkpoint was made from, as path components: its calibration and Fisher
-    settings and rank multiple (pipeline checkpoints), else the sha256 of its factors (a
-    checkpoint saved by `palu.compress(...).save`, whose calibration has no name)."""
-    settings = manifest.get("settings") or {}
-    cal, allocation = settings.get("calibration"), manifest["allocation"]
-    if not cal:
-        return (f"checkpoint-{manifest['files']['factors.safetensors'][:12]}",)
-    ctag = calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
-                           settings.get("calibration_dtype", "float32"), cal.get("bos", "auto"))
-    fisher = settings["fisher"]
-    ftag = fisher_tag(fisher["samples"], fisher["seqlen"], fisher["seed"])
-    return palu_lineage(ctag, ftag, allocation["method"], allocation["multiple"])
-
-
 def run_name(method_tag: str, lineage: tuple[str, ...] = ()) -> str:
     """A run's folder under results/runs/<model>/: the method's tag, then what it was made from."""
     return "/".join((method_tag, *lineage))
-
-
-def palu_lineage(ctag: str, ftag: str, rank_method: str, multiple: int | str) -> tuple[str, ...]:
-    """A pipeline checkpoint's lineage, from the manifest (`lineage_of`) or from the grid before
-    the checkpoint exists: uniform ranks read no Fisher scores, so they name none."""
-    return (ctag, f"{'no-fisher' if rank_method == 'uniform' else ftag}-m{multiple}")
 
 
 def evaluation_tag(corpus: str, seqlen: int | str, max_tokens: int | str | None, dtype: str,
@@ -191,7 +154,7 @@ def kvquant_activations_path_of(cfg) -> Path:
 
 
 def kvquant_dir_of(cfg) -> Path:
-    from ..methods.kvquant import state_tag
+    from palu.methods.kvquant import state_tag
     k = cfg.kvquant
     return kvquant_dir(cfg.paths.work, cfg.model.name, kvquant_calibration_tag_of(cfg),
                        state_tag(k.bits, k.weighting, k.outlier_fraction))

@@ -8,7 +8,7 @@ from ..cache.quant_cache import Codec
 from ..decompose.rotation import rotation_matrix
 from .codebook import nearest, sphere_coordinate_codebook
 from .uniform import dequantize, quantize
-from palu_kernels.layout import pack_codes, packed_width, unpack_codes
+from palu.quant.packed import pack_codes, packed_width, unpack_codes
 
 
 def _work_dtype(x: torch.Tensor):

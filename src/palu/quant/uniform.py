@@ -1,4 +1,4 @@
-"""Asymmetric min-max integer quantisation in groups, packed (`palu_kernels.layout.pack_codes`).
+"""Asymmetric min-max integer quantisation in groups, packed (`palu.quant.packed.pack_codes`).
 
 x (B, H, n, d) is grouped either along the channels of each token (`axis="channel"`: Atom, KIVI's
 values; `group` channels share a scale) or along the tokens of each channel (`axis="token"`:
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 # MIN_SCALE: a constant group gets fp16's smallest normal scale, never zero (as the latents do)
-from palu_kernels.layout import MIN_SCALE, pack_codes, unpack_codes
+from palu.quant.packed import MIN_SCALE, pack_codes, unpack_codes
 
 
 def check_group(group: int, size: int, what: str) -> int:

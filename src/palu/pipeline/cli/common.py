@@ -1,0 +1,92 @@
+"""What the Hydra entry points share (thin glue from config to library calls; steps never
+import each other's modules)."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import hydra
+import torch
+
+from palu.pipeline.config import CONF_DIR, register, to_dict, validate
+from palu.pipeline import naming
+from palu.pipeline.tracking.wandb_run import check_tracking, tracked_step
+
+log = logging.getLogger("palu")
+
+
+def entry_point(run, config_name: str = "config", checked: bool = True):
+    """The `@hydra.main` function of a step whose work is `run(cfg)`: it composes conf/, validates
+    it against the schema (`checked`) and calls `run`. Hydra names the job after `run`'s module."""
+    @functools.wraps(run)
+    def main(cfg) -> None:
+        cfg = validate(cfg) if checked else cfg
+        check_tracking(cfg.tracking)    # an unusable W&B setting fails before any work
+        run(cfg)
+    register()
+    return hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
+
+
+def model_path(cfg) -> str:
+    """The prepared (fast-loading) copy of the model if the pipeline made one, else `model.id`."""
+    return naming.model_source(cfg.paths.work, cfg.model.name, cfg.model.id)
+
+
+def model_input(cfg) -> dict:
+    """The prepared model folder as a tracked input, when the pipeline made one (a hub id or an
+    embedded package is recorded in the config only)."""
+    path = model_path(cfg)
+    return {"model": path} if Path(path).is_dir() else {}
+
+
+def run_name_of(cfg, out: str | os.PathLike) -> str:
+    """A step's W&B run name: its output's path inside the work or results folder, without the
+    extension (the same parameter tags as the file names); an output elsewhere: its file name."""
+    full = Path(out).resolve()
+    for root in (cfg.paths.results, cfg.paths.work):
+        try:
+            rel = full.relative_to(Path(root).resolve())
+        except ValueError:
+            continue
+        return rel.with_suffix("").as_posix() if rel.suffix in {".json", ".safetensors", ".png", ".csv"} \
+            else rel.as_posix()
+    return full.name
+
+
+def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, config: dict | None = None):
+    """The W&B run of one step making `out` from `used` (kind -> path or paths)."""
+    return tracked_step(cfg.tracking, config if config is not None else to_dict(cfg), job_type=step,
+                        name=run_name_of(cfg, out), group=cfg.model.name if "model" in cfg else "tables",
+                        used=used)
+
+
+def check_window_length(cfg, seqlen: int, what: str) -> None:
+    """A window longer than the model's positions fails before the model is loaded."""
+    from palu.eval.runner import check_seqlen
+    from palu.models.loading import load_config
+    check_seqlen(load_config(model_path(cfg)), seqlen, what)
+
+
+def calibration_windows_of(cfg, tok, samples: int, seqlen: int, seed: int):
+    """Seeded windows from the calibration corpus (shared by the calibrate and fisher steps)."""
+    from palu.data.corpora import load_corpus
+    from palu.data.windows import bos_token_for, calibration_windows, tokenize
+    text = load_corpus(cfg.calibration.corpus, path=cfg.calibration.path).calibration_text
+    return calibration_windows(tokenize(tok, text), samples, seqlen, seed,
+                               bos_token_for(tok, cfg.calibration.bos))
+
+
+def environment() -> dict:
+    import transformers
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "host": platform.node(),
+            "cpu_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def record(cfg, **extra) -> dict:
+    """What every output file carries: the full resolved config and the environment."""
+    return {"config": to_dict(cfg), "environment": environment(), **extra}

@@ -1,0 +1,60 @@
+"""Step `longcontext`: decode-time long-context evaluation through a method's cache, one suite a
+run (`longcontext.suite`: needles | qasper | longbench | ruler; settings `longcontext.<suite>.*`).
+Every prompt is prefilled into `method.make_cache(model)` and the answer generated through it.
+Writes one JSON with each sample's answer and score and the per-task summaries (collect's
+longcontext table and needle heatmap read it)."""
+from __future__ import annotations
+
+from palu.pipeline.config import method_of
+from palu.io import write_json
+from palu.models.loading import load_config, load_model, resolve_source
+from palu.pipeline import naming
+from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked
+
+
+def _max_positions(path: str) -> int | None:
+    if resolve_source(path).kind == "hub":
+        return None
+    return getattr(load_config(path), "max_position_embeddings", None)
+
+
+def run(cfg) -> dict:
+    from palu.eval.suites import longest_prompt, run_suite
+    lc = cfg.longcontext
+    method = method_of(cfg)
+    out = cfg.out or str(naming.longcontext_path_of(cfg, method))
+    path = model_path(cfg)
+    limit = _max_positions(path)
+    if limit is not None and longest_prompt(lc) > limit:
+        raise ValueError(f"longcontext.{lc.suite}: prompts of up to {longest_prompt(lc)} tokens (with "
+                         f"the answer) exceed the model's maximum context ({limit} positions)")
+    filler = None
+    if lc.suite == "needles":
+        from palu.data.corpora import load_corpus
+        filler = load_corpus(lc.needles.corpus).evaluation_text
+    with tracked(cfg, "longcontext", out, used={**model_input(cfg), **method.inputs()}) as wb:
+        model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
+        method.install(model)
+        result = run_suite(model, tok, method, lc, filler, max_positions=limit,
+                           log=log.info if cfg.progress else None)
+        summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
+                   "suite": lc.suite, "run": naming.run_name(method.tag, method.lineage()),
+                   **method.summary()}
+        write_json(out, record(cfg, longcontext=result, summary=summary, method=method.record()))
+        wb.metrics({f"{task}/{k}": v[k] for task, v in result["tasks"].items() for k in ("score", "n")})
+        if wb.enabled:
+            import pandas as pd
+            frame = pd.DataFrame(result["samples"])
+            wb.table("samples", frame.astype({c: str for c in ("needles", "answers") if c in frame}))
+        wb.make("longcontext", out, method=method.tag)
+    for task, v in result["tasks"].items():
+        log.info("%s %s: %s %.3f [%.3f, %.3f] over %d samples", method.tag, task, v["metric"],
+                 v["score"], v["lo"], v["hi"], v["n"])
+    log.info("-> %s", out)
+    return result
+
+
+main = entry_point(run)
+
+if __name__ == "__main__":
+    main()

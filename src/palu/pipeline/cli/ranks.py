@@ -1,0 +1,102 @@
+"""Step `ranks`: allocate ranks for a kept ratio, group size and method; writes a JSON."""
+from __future__ import annotations
+
+from palu.calib.stats_file import check_model, load_stats
+from palu.decompose.ranks import FISHER_KEY, PROBED, allocate
+from palu.io import seal, write_json
+from palu.models.adapters import config_fingerprint, geometry_of
+from palu.models.loading import load_config
+from palu.pipeline import naming
+from palu.pipeline.cli.common import calibration_windows_of, entry_point, log, model_path, tracked
+
+
+def run(cfg) -> dict:
+    p = cfg.palu
+    config = load_config(model_path(cfg))
+    geom = geometry_of(config)
+    made_from = {"config": config_fingerprint(config)}   # the model this allocation is for
+    geom.check_group_size(p.group_size)
+    from palu.decompose.heads import check_head_order
+    check_head_order(p.head_order, geom, p.group_size)
+    reorder = p.head_order != "none" and p.rank_method != "uniform"
+    stats, fisher, used = None, None, {}
+    if p.rank_method != "uniform":
+        path = naming.fisher_path_of(cfg)
+        if not path.is_file():
+            raise FileNotFoundError(f"rank method {p.rank_method!r} needs Fisher scores at {path}; "
+                                    "run `python -m palu.pipeline.cli.fisher` first")
+        used["fisher"] = str(path)
+        stats, meta = load_stats(path, "Fisher scores")
+        check_model(meta, config, what=f"the Fisher scores {path}")
+        made_from = meta["model"]
+        keys = sorted(set(FISHER_KEY.values())) if p.rank_method == "probe_select" else [FISHER_KEY[p.rank_method]]
+        missing = [k for k in keys if k not in stats]
+        if missing:
+            raise ValueError(f"{path} has no {missing} (written before {p.rank_method} existed): run "
+                             "`python -m palu.pipeline.cli.fisher` again")
+    if p.rank_method in PROBED or reorder:
+        gram = naming.gram_path_of(cfg)
+        if not gram.is_file():
+            raise FileNotFoundError(f"rank method {p.rank_method!r} needs the calibration Gram at {gram}; "
+                                    "run `python -m palu.pipeline.cli.calibrate` first")
+        used["gram"] = str(gram)
+    out = cfg.out or str(naming.ranks_path_of(cfg))
+    with tracked(cfg, "ranks", out, used=used) as wb:
+        if p.rank_method in PROBED or reorder:
+            from palu.models.loading import load_model
+            model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
+            tensors, meta = load_stats(used["gram"], "calibration Gram")
+            check_model(meta, config, made_from.get("hash"), f"the calibration Gram {used['gram']}")
+            grams = tensors["gram"]
+        if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
+            from palu.decompose.heads import permute_statistics, reorder_heads, similarity_orders
+            orders = similarity_orders(model, grams, p.group_size)
+            reorder_heads(model, orders)
+            stats = permute_statistics(stats, orders)
+            log.info("head order (similarity): %s", orders)
+        if stats is not None:
+            fisher = stats if p.rank_method == "probe_select" else stats[FISHER_KEY[p.rank_method]]
+        if p.rank_method in PROBED:
+            from palu.decompose.probe import PROBE_WINDOWS, allocate_probed
+            from palu.decompose.spectra import whitened_svds
+            # the probe scores the first Fisher windows: text the Gram never saw
+            f = cfg.fisher
+            windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
+            allocation = allocate_probed(model, whitened_svds(model, grams, p.group_size), fisher,
+                                         p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, windows)
+            _log_probe(allocation)
+        else:
+            allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher)
+        # sealed, and naming its model: decompose refuses an edited file or another model's
+        write_json(out, seal({**allocation, "model": made_from}))
+        wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],
+                    "kept_ratio_target": p.kept_ratio})
+        wb.make("ranks", out)
+    log.info("%s ranks: kept ratio %.4f (target %.4f) -> %s", p.rank_method,
+             allocation["kept_ratio_realised"], p.kept_ratio, out)
+    return allocation
+
+
+def _log_probe(allocation: dict) -> None:
+    """What the probe scored, and what it chose."""
+    if allocation["method"] == "error_aware_bytes":
+        b = allocation["byte_budget"]
+        log.info("error_aware_bytes: %d of %d bytes per token (%.4f of FP16), widths per layer %s, "
+                 "kept dims %.3f", b["used_bytes_per_token"], b["fp16_bytes_per_token"],
+                 b["ratio_realised"], allocation["bits"], allocation["kept_ratio_realised"])
+        return
+    for row in allocation.get("probe", {}).get("candidates", []):
+        if "candidate" in row:
+            log.info("probe_select: %-44s key share %.3f, probe ppl %.3f", row["candidate"],
+                     row["key_share"], row["ppl"])
+        else:
+            log.info("error_aware probe: key weight %4.1f -> key share %.3f, probe ppl %.3f",
+                     row["key_weight"], row["key_share"], row["ppl"])
+    if allocation.get("selected"):
+        log.info("probe_select chose %s", allocation["selected"])
+
+
+main = entry_point(run)
+
+if __name__ == "__main__":
+    main()
