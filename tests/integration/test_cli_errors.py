@@ -95,3 +95,32 @@ def test_an_unsupported_family_is_refused_by_every_step(tmp_path):
         assert proc.returncode != 0, step
         assert "'gemma3_text' is not supported; supported families: ['llama'" in proc.stderr + proc.stdout, step
         assert not out.exists() and list(results.iterdir()) == [], step
+
+
+def test_a_checkpoint_is_evaluated_by_hand_with_its_folder_alone(tmp_path):
+    """Issue 35: `evaluate method=palu method.checkpoint=<dir> method.bits=4` needs no palu.*
+    setting: the manifest says how the checkpoint was made (here J-LRD, group size 2, kept 0.7,
+    where the palu.* defaults say M-LRD at 0.5; this used to fail after loading the model)."""
+    import json
+
+    import torch
+
+    import palu
+    from tiny import save_tiny, tiny_llama, tiny_tokenizer
+    folder = save_tiny(tiny_llama(), tiny_tokenizer(), tmp_path / "tiny")
+    model, _ = palu.load_model(str(folder))
+    res = palu.compress(model, torch.randint(3, 97, (2, 32)), kept_ratio=0.7, group_size=2,
+                        progress=False, model_id=str(folder))
+    res.save(tmp_path / "ckpt")
+    results = tmp_path / "results"
+    results.mkdir()
+    proc, out = _run("evaluate", f"model.id={folder}", "model.name=tiny", "method=palu",
+                     f"method.checkpoint={tmp_path / 'ckpt'}", "method.bits=4", "data.seqlen=64",
+                     "data.max_tokens=128", tmp_path=results)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["metrics"]["group_size"] == 2 and result["metrics"]["kept_ratio_target"] == 0.7
+    assert result["metrics"]["kv_bits"] == 4 and result["metrics"]["ppl"] > 1
+    # the record holds what evaluate read, not the palu.* defaults that describe another checkpoint
+    assert "palu" not in result["config"] and result["config"]["method"]["bits"] == 4
+    assert {"model", "data", "method"} <= set(result["config"])

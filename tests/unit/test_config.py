@@ -134,7 +134,7 @@ def test_the_factors_ablation_grid(monkeypatch):
     assert {(s.decomposition, s.group_size) for s in specs} == {
         ("whitened", 1), ("attention", 1), ("whitened", 3), ("attention", 3)}
     assert "factors" in grid.tables() and len(grid.table_runs("factors")) == 5
-    bad = Grid({**grid.c, "factors": {**grid.c["factors"], "decompositions": ["whitened", "attenton"]}})
+    bad = Grid({**grid.config, "factors": {**grid.config["factors"], "decompositions": ["whitened", "attenton"]}})
     with pytest.raises(ValueError, match="attenton"):
         bad.factors_specs()
 
@@ -147,7 +147,7 @@ def test_the_recovery_grid(monkeypatch):
     assert [s.recovery for s in specs] == ["", grid.recovery_tag()] * 2
     assert specs[1].tag == specs[0].tag.replace("-g1", "-g1" + grid.recovery_tag())
     assert grid.checkpoint(specs[1]) != grid.checkpoint(specs[0])
-    bad = Grid({**grid.c, "recovery": {**grid.c["recovery"], "stesp": 3}})
+    bad = Grid({**grid.config, "recovery": {**grid.config["recovery"], "stesp": 3}})
     with pytest.raises(ValueError, match="stesp"):
         bad.recovery_specs()
 
@@ -212,3 +212,28 @@ def test_device_cuda_without_a_gpu_fails_before_any_work():
     check_device("cpu")
     with pytest.raises(RuntimeError, match=r"device=cuda but no CUDA device is available: .*Run on a cluster"):
         load_model("/nonexistent/folder", device="cuda")
+
+
+def test_grid_sections_are_settings_over_the_schema():
+    """A grid section is the step's settings over its schema dataclass: a typo fails naming the
+    key, what the section leaves out is the schema's default (no third copy of defaults), and
+    the overrides the rules pass are generated from the merged settings."""
+    from palu.pipeline.config import NeedlesConfig, ZeroshotConfig
+    from palu.pipeline.grid import Grid
+    raw = yaml.safe_load((Path(CONF_DIR) / "grid" / "default.yaml").read_text())
+    grid = Grid(raw)
+    assert grid.zeroshot_settings()["seed"] == ZeroshotConfig().seed
+    needles = grid.longcontext_suites()["needles"]
+    assert needles["max_new_tokens"] == NeedlesConfig().max_new_tokens
+    assert "'longcontext.needles.lengths=[1024,2048]'" in grid.longcontext_overrides(
+        next(t for t, n in grid.longcontext_tags().items() if n == "needles")).split()
+    for section, typo in (("calibration", "sampels"), ("fisher", "sed"), ("eval", "seqln")):
+        with pytest.raises(ValueError, match=f"grid {section} has unknown keys \\['{typo}'\\]"):
+            Grid({**raw, section: {**raw[section], typo: 1}})
+    bad = {**raw, "zeroshot": {**raw["zeroshot"], "limt": 3}}
+    with pytest.raises(ValueError, match="limt"):
+        Grid(bad).zeroshot_settings()
+    # every checkpoint and ranks file is found by its path, none parsed back
+    ck = grid.checkpoints()
+    assert all(grid.checkpoint(spec) == path for path, spec in ck.items())
+    assert all(grid.ranks_file(spec) == path for path, spec in grid.ranks_files().items())

@@ -78,4 +78,4 @@ def test_a_grid_line_adds_a_method_to_the_baseline_table(monkeypatch):
     assert grid.run_inputs("halved-b4") == [grid.prepared_model()]
     assert grid.metrics("halved-b4")[0] in grid.table_inputs("baseline")
     with pytest.raises(ValueError, match="needs a checkpoint"):
-        Grid({**grid.c, "methods": [{"name": "palu", "checkpoint": "x"}]}).runs()
+        Grid({**grid.config, "methods": [{"name": "palu", "checkpoint": "x"}]}).runs()

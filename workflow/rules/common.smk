@@ -1,10 +1,10 @@
+import os
 import re
 import sys
 
-from palu.decompose.factors import DECOMPOSITIONS
-from palu.decompose.ranks import PROBED, RANK_METHODS
+from palu.decompose.ranks import allocator_kind
 from palu.pipeline import naming
-from palu.pipeline.grid import Grid, KVQuantSpec, PaluSpec
+from palu.pipeline.grid import Grid
 from palu.pipeline.tracking import check_tracking
 
 GRID = Grid(config)
@@ -52,15 +52,8 @@ def needs(step):
 MODEL_DIR = GRID.prepared_model()
 
 wildcard_constraints:
-    kept=r"[0-9.]+",
-    group=r"\d+",
-    method="|".join(RANK_METHODS),
-    decomp="|".join(DECOMPOSITIONS),
     corpus=r"[a-z0-9_]+",
-    seqlen=r"\d+",
-    tokens=r"\d+|all",
     run="|".join(re.escape(tag) for tag in GRID.runs()),
-    rot=r"(-rot_[a-z_]+-s0)?",
 
 
 def log(step, name):
@@ -69,12 +62,3 @@ def log(step, name):
 
 def bench(step, name):
     return str(naming.benchmark_path(W, step, name))
-
-
-def max_tokens(wildcards):
-    return "null" if wildcards.tokens == "all" else wildcards.tokens
-
-
-def spec_of(w):
-    rotation = w.rot[len("-rot_"):-len("-s0")] if w.rot else "none"
-    return PaluSpec(w.decomp, w.method, float(w.kept), int(w.group), rotation=rotation)

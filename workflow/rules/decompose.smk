@@ -1,19 +1,43 @@
 # uniform and Fisher ranks read only the model's config and the Fisher scores (well under a second)
 localrules: ranks_uniform, ranks_fisher
 
-PALU = "palu.rank_method={wildcards.method} palu.kept_ratio={wildcards.kept} palu.group_size={wildcards.group}"
+# Every ranks file and checkpoint is looked up by its path in the grid (GRID.ranks_files(),
+# GRID.checkpoints()): a path is a name, never parsed back into settings.
+RANKS_ROOT, PALU_ROOT = str(naming.ranks_root(W, M)), str(naming.palu_root(W, M))
+
+
+def ranks_names(kind):
+    """The ranks files of one kind of allocator, as paths under RANKS_ROOT (a rule's wildcard)."""
+    return "|".join(re.escape(os.path.relpath(path, RANKS_ROOT))
+                    for path, spec in GRID.ranks_files().items() if allocator_kind(spec.rank_method) == kind) or "^$"
+
+
+def ranks_spec(w):
+    return GRID.ranks_files()[os.path.join(RANKS_ROOT, w.name)]
+
+
+def checkpoint_names(recovered):
+    return "|".join(re.escape(os.path.relpath(path, PALU_ROOT))
+                    for path, spec in GRID.checkpoints().items() if bool(spec.recovery) == recovered) or "^$"
+
+
+def checkpoint_spec(w):
+    return GRID.checkpoints()[os.path.join(PALU_ROOT, w.name)]
 
 
 rule ranks_uniform:
     input:
         MODEL_DIR,
     output:
-        str(naming.ranks_path(W, M, CTAG, FTAG, "uniform", "{kept}", "{group}", MULT)),
+        os.path.join(RANKS_ROOT, "{name}"),
+    wildcard_constraints:
+        name=ranks_names("uniform"),
     log:
-        log("ranks", "uniform-k{kept}-g{group}"),
+        log("ranks", "{name}"),
+    params:
+        palu=lambda w: " ".join(ranks_spec(w).overrides()),
     shell:
-        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} palu.rank_method=uniform palu.kept_ratio={wildcards.kept} "
-        "palu.group_size={wildcards.group} out={output} > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
 
 rule ranks_fisher:
@@ -21,13 +45,15 @@ rule ranks_fisher:
         MODEL_DIR,
         str(naming.fisher_path(W, M, CTAG, FTAG)),
     output:
-        str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
+        os.path.join(RANKS_ROOT, "{name}"),
     wildcard_constraints:
-        method="|".join(m for m in RANK_METHODS if m != "uniform" and m not in PROBED),
+        name=ranks_names("statistics"),
     log:
-        log("ranks", "{method}-k{kept}-g{group}"),
+        log("ranks", "{name}"),
+    params:
+        palu=lambda w: " ".join(ranks_spec(w).overrides()),
     shell:
-        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
 
 # error_aware spends ranks against each block's exact truncation error (the whitened spectrum
@@ -39,35 +65,36 @@ rule ranks_probed:
         str(naming.fisher_path(W, M, CTAG, FTAG)),
         str(naming.gram_path(W, M, CTAG)),
     output:
-        str(naming.ranks_path(W, M, CTAG, FTAG, "{method}", "{kept}", "{group}", MULT)),
+        os.path.join(RANKS_ROOT, "{name}"),
     wildcard_constraints:
-        method="|".join(PROBED),
+        name=ranks_names("probed"),
     log:
-        log("ranks", "{method}-k{kept}-g{group}"),
+        log("ranks", "{name}"),
     threads: threads_of("ranks_probed")
     resources: **needs("ranks_probed")
+    params:
+        palu=lambda w: " ".join(ranks_spec(w).overrides()),
     shell:
-        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} " + PALU + " out={output} > {log} 2>&1"
+        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
 
 rule decompose:
     input:
         model=MODEL_DIR,
         gram=str(naming.gram_path(W, M, CTAG)),
-        ranks=lambda w: GRID.ranks_file(spec_of(w)),
-    wildcard_constraints:
-        ftag=f"no-fisher|{FTAG}",
+        ranks=lambda w: GRID.ranks_file(checkpoint_spec(w)),
     output:
-        directory(str(naming.checkpoint_dir(W, M, CTAG, "{ftag}", naming.palu_tag(
-            "{decomp}", "{method}", "{kept}", "{group}", rotation="{rot}"), MULT, "{method}"))),
+        directory(os.path.join(PALU_ROOT, "{name}")),
+    wildcard_constraints:
+        name=checkpoint_names(recovered=False),
     log:
-        log("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}"),
+        log("decompose", "{name}"),
     benchmark:
-        bench("decompose", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}")
+        bench("decompose", "{name}")
     threads: threads_of("decompose")
     resources: **needs("decompose")
     params:
-        palu=lambda w: GRID.decompose_overrides(spec_of(w)),
+        palu=lambda w: " ".join(checkpoint_spec(w).overrides()),
     shell:
         "exec {PY} -m palu.pipeline.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
 
@@ -77,22 +104,19 @@ if config.get("recovery"):
     rule recover:
         input:
             model=MODEL_DIR,
-            base=lambda w: GRID.checkpoint(spec_of(w)),
-        wildcard_constraints:
-            ftag=f"no-fisher|{FTAG}",
-            rec=re.escape(GRID.recovery_tag()),
+            base=lambda w: GRID.checkpoint(checkpoint_spec(w).base()),
         output:
-            directory(str(naming.checkpoint_dir(W, M, CTAG, "{ftag}", naming.palu_tag(
-                "{decomp}", "{method}", "{kept}", "{group}", rotation="{rot}", recovery="{rec}"),
-                MULT, "{method}"))),
+            directory(os.path.join(PALU_ROOT, "{name}")),
+        wildcard_constraints:
+            name=checkpoint_names(recovered=True),
         log:
-            log("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}"),
+            log("recover", "{name}"),
         benchmark:
-            bench("recover", "{ftag}-{decomp}-{method}-k{kept}-g{group}{rot}{rec}")
+            bench("recover", "{name}")
         threads: threads_of("recover")
         resources: **needs("recover")
         params:
             recovery=GRID.recovery_overrides(),
         shell:
-            "exec {PY} -m palu.pipeline.cli.recover {COMMON} {params.recovery} recovery.checkpoint={input.base} "
-            "out={output} progress=false > {log} 2>&1"
+            "exec {PY} -m palu.pipeline.cli.recover {COMMON} {params.recovery} "
+            "recovery.checkpoint={input.base} out={output} progress=false > {log} 2>&1"

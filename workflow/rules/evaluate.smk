@@ -6,15 +6,13 @@ rule evaluate:
     output:
         GRID.evaluation_pattern(),
     log:
-        log("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}"),
+        log("evaluate", "{run}/{corpus}"),
     benchmark:
-        bench("evaluate", "{run}/{corpus}-L{seqlen}-T{tokens}")
+        bench("evaluate", "{run}/{corpus}")
     threads: threads_of("evaluate")
     resources: **needs("evaluate")
     params:
-        max_tokens=max_tokens,
         method=lambda w: GRID.run_overrides(w.run),
     shell:
         "exec {PY} -m palu.pipeline.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
-        "data.seqlen={wildcards.seqlen} data.max_tokens={params.max_tokens} out={output} "
-        "progress=false > {log} 2>&1"
+        "out={output} progress=false > {log} 2>&1"

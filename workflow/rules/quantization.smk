@@ -29,19 +29,17 @@ if GRID.kvquant_specs():
         input:
             KVQ_ACTIVATIONS,
         output:
-            directory(str(naming.kvquant_dir(W, M, GRID.kvquant_ktag(), "kvquant-b{kbits}-{weighting}-o{frac}"))),
+            directory(str(naming.kvquant_dir(W, M, GRID.kvquant_ktag(), "{state}"))),
         wildcard_constraints:
-            kbits=r"\d",
-            weighting="fisher|uniform",
-            frac=r"[0-9.e-]+",
+            state="|".join(re.escape(tag) for tag in GRID.kvquant_states()),
         log:
-            log("fit_kvquant", "b{kbits}-{weighting}-o{frac}"),
+            log("fit_kvquant", "{state}"),
         benchmark:
-            bench("fit_kvquant", "b{kbits}-{weighting}-o{frac}")
+            bench("fit_kvquant", "{state}")
         threads: threads_of("fit_kvquant")
         resources: **needs("fit_kvquant")
         params:
-            kv=lambda w: GRID.kvquant_overrides(KVQuantSpec(int(w.kbits), w.weighting, float(w.frac))),
+            kv=lambda w: GRID.kvquant_overrides(GRID.kvquant_states()[w.state]),
         shell:
             "exec {PY} -m palu.pipeline.cli.fit_kvquant {COMMON} {params.kv} kvquant.activations={input} "
             "out={output} progress=false > {log} 2>&1"

@@ -38,16 +38,42 @@ import torch
 
 from ..models.adapters import Geometry
 
-RANK_METHODS = ("uniform", "fisher", "fisher_uniform", "fisher_sqrt", "fisher_rms", "error_aware",
-                "probe_select", "error_aware_bytes")
+@dataclass(frozen=True)
+class Allocator:
+    """One rank allocator: the Fisher statistic it weighs blocks by (calib.fisher; None: none,
+    "all": every one) and whether it scores allocations with the model itself on probe windows
+    (decompose/probe.py: it then needs the calibration Gram's whitened factors and the model)."""
+    statistic: str | None
+    probes: bool = False
 
-# which Fisher statistic (calib.fisher) each method weighs blocks by; probe_select uses them all
-FISHER_KEY = {"fisher": "fisher", "fisher_uniform": "fisher", "fisher_sqrt": "fisher",
-              "fisher_rms": "rms_fisher", "error_aware": "output_fisher",
-              "error_aware_bytes": "output_fisher"}
-# methods that score allocations with the model itself on probe windows (decompose/probe.py), so
-# they need the calibration Gram's whitened factors and the model, not only statistics
-PROBED = ("error_aware", "probe_select", "error_aware_bytes")
+    @property
+    def kind(self) -> str:
+        """uniform (reads only the model's config) | statistics | probed (runs the model)."""
+        return "probed" if self.probes else "statistics" if self.statistic else "uniform"
+
+
+# The one table of allocators; a new one is a row here and its branch in `allocate` (or in
+# decompose/probe.py when it probes).
+ALLOCATORS = {
+    "uniform": Allocator(None),
+    "fisher": Allocator("fisher"),
+    "fisher_uniform": Allocator("fisher"),
+    "fisher_sqrt": Allocator("fisher"),
+    "fisher_rms": Allocator("rms_fisher"),
+    "error_aware": Allocator("output_fisher", probes=True),
+    "probe_select": Allocator("all", probes=True),
+    "error_aware_bytes": Allocator("output_fisher", probes=True),
+}
+RANK_METHODS = tuple(ALLOCATORS)
+# which Fisher statistic each method weighs blocks by (probe_select reads them all)
+FISHER_KEY = {name: a.statistic for name, a in ALLOCATORS.items() if a.statistic not in (None, "all")}
+PROBED = tuple(name for name, a in ALLOCATORS.items() if a.probes)
+
+
+def allocator_kind(name: str) -> str:
+    if name not in ALLOCATORS:
+        raise ValueError(f"rank method {name!r} is not one of {RANK_METHODS}")
+    return ALLOCATORS[name].kind
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,10 +15,13 @@ from types import SimpleNamespace
 import yaml
 from omegaconf import OmegaConf
 
-from palu.pipeline.config import CONF_DIR
+from palu.calib.fisher import FisherWindows
 from palu.decompose.checkpoint import rotation_tag
 from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
+from palu.pipeline.config import (CONF_DIR, CalibrationConfig, DataConfig, KVQuantConfig,
+                                  LongContextConfig, RecoveryConfig, ZeroshotConfig)
+from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
@@ -26,46 +29,6 @@ _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher"
          "recovery", "byte_budget"}
 TABLES = ("baseline", "granularity", "rank_allocation", "latent_bits", "hadamard", "quantization", "factors",
           "recovery", "byte_budget")
-
-
-@dataclass(frozen=True)
-class PaluSpec:
-    """One Palu run: how its checkpoint is made, and the bit width its cache stores latents at."""
-    decomposition: str
-    rank_method: str
-    kept_ratio: float
-    group_size: int
-    bits: int | str = 16       # or "alloc": the per-layer widths of an error_aware_bytes allocation
-    rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
-    recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
-
-    @property
-    def tag(self) -> str:
-        return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
-                               self.group_size, self.bits, rotation_tag(self.rotation), self.recovery)
-
-    def base(self) -> "PaluSpec":
-        """The same run without recovery (the checkpoint recovery starts from)."""
-        return PaluSpec(self.decomposition, self.rank_method, self.kept_ratio, self.group_size,
-                        self.bits, self.rotation)
-
-    def overrides(self) -> list[str]:
-        return [f"palu.decomposition={self.decomposition}", f"palu.rank_method={self.rank_method}",
-                f"palu.kept_ratio={self.kept_ratio}", f"palu.group_size={self.group_size}"] + (
-            [] if self.rotation == "none" else [f"palu.rotation={self.rotation}", "palu.rotation_seed=0"])
-
-
-@dataclass(frozen=True)
-class KVQuantSpec:
-    """One KVQuant run: the settings its codebooks are fitted with (step fit_kvquant)."""
-    bits: int
-    weighting: str
-    outlier_fraction: float
-
-    @property
-    def tag(self) -> str:
-        from palu.methods.kvquant import state_tag
-        return state_tag(self.bits, self.weighting, self.outlier_fraction)
 
 
 class Grid:
@@ -76,17 +39,22 @@ class Grid:
         unknown = set(config) - _KEYS
         if unknown:
             raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
-        self.c = config
+        self.config = config
         self.model = config["model"]
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
         self.device = config.get("device", "cpu")
         from palu.pipeline.jobs import MODEL_STEPS
         for step in MODEL_STEPS:        # a bad device or `resources:` value stops the plan here
             self.job_resources(step)
-        cal, fis = config["calibration"], config["fisher"]
+        # each step's settings: the grid's section over the step's schema (its defaults)
+        self.calibration = settings_of(CalibrationConfig, config["calibration"], "calibration")
+        self.fisher = settings_of(FisherWindows, config["fisher"], "fisher")
+        # evaluation windows; the corpus is each evaluation's own
+        self.data = settings_of(DataConfig, config["eval"], "eval", drop=("corpora",))
         self.dtype = self.model_conf().dtype
+        cal, fis = self.calibration, self.fisher
         self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
-                                           self.dtype, cal.get("bos", "auto"))
+                                           self.dtype, cal["bos"])
         self.ftag = naming.fisher_tag(fis["samples"], fis["seqlen"], fis["seed"])
 
     @classmethod
@@ -97,18 +65,18 @@ class Grid:
     @property
     def tracking(self) -> SimpleNamespace:
         """The grid's W&B setting (`tracking: offline | online | disabled`) and its folder."""
-        return SimpleNamespace(mode=self.c.get("tracking", "offline"), upload="small",
+        return SimpleNamespace(mode=self.config.get("tracking", "offline"), upload="small",
                                dir=str(Path(self.work) / "wandb"))
 
     def job_resources(self, step: str):
         """Threads, host memory and wall time of one model job (`jobs.job_resources`)."""
         from palu.pipeline.jobs import job_resources
-        return job_resources(self.c.get("resources"), self.device, step)
+        return job_resources(self.config.get("resources"), self.device, step)
 
     def scheduler_resources(self, step: str) -> dict:
         """The Snakemake `resources:` of one model job, a GPU included where it needs one."""
         from palu.pipeline.jobs import scheduler_resources
-        return scheduler_resources(self.c.get("resources"), self.device, step)
+        return scheduler_resources(self.config.get("resources"), self.device, step)
 
     def model_conf(self):
         path = Path(CONF_DIR) / "model" / f"{self.model}.yaml"
@@ -133,25 +101,22 @@ class Grid:
         return [int(v) for v in (value if isinstance(value, list) else [value])]
 
     def common_overrides(self) -> list[str]:
-        cal, fis = self.c["calibration"], self.c["fisher"]
-        return [f"model={self.model}", f"tracking={self.tracking.mode}",
-                f"device={self.device}",
-                f"paths.work={self.work}", f"paths.results={self.results}",
-                f"calibration.corpus={cal['corpus']}", f"calibration.samples={cal['samples']}",
-                f"calibration.seqlen={cal['seqlen']}", f"calibration.seed={cal['seed']}",
-                f"calibration.bos={cal.get('bos', 'auto')}", f"data.bos={self.c['eval'].get('bos', 'auto')}",
-                f"data.calibration_fraction={self.c['eval'].get('calibration_fraction', 0.3)}",
-                f"fisher.samples={fis['samples']}", f"fisher.seqlen={fis['seqlen']}",
-                f"fisher.seed={fis['seed']}", f"palu.rank_multiple={self.c['rank_multiple']}"]
+        """What every model step is given: the model, device, folders, the calibration, Fisher
+        and evaluation-window settings, the rank multiple (each evaluation adds its corpus)."""
+        data = {k: v for k, v in self.data.items() if k not in ("corpus", "path")}
+        return ([f"model={self.model}", f"tracking={self.tracking.mode}", f"device={self.device}",
+                 f"paths.work={self.work}", f"paths.results={self.results}"]
+                + hydra_overrides("calibration", self.calibration) + hydra_overrides("fisher", self.fisher)
+                + hydra_overrides("data", data) + [f"palu.rank_multiple={self.config['rank_multiple']}"])
 
     # ---- runs per table ------------------------------------------------------------------------
     def granularity_specs(self) -> list[PaluSpec]:
-        g = self.c["granularity"]
+        g = self.config["granularity"]
         return [PaluSpec(g["decomposition"], g["rank_method"], float(k), s)
                 for s in self.group_sizes(g["group_sizes"]) for k in g["kept_ratios"]]
 
     def rank_allocation_specs(self) -> list[PaluSpec]:
-        r = self.c["rank_allocation"]
+        r = self.config["rank_allocation"]
         # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
         sizes = r.get("group_sizes", [r.get("group_size", 1)])
         groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in sizes]
@@ -161,7 +126,7 @@ class Grid:
     def factors_specs(self) -> list[PaluSpec]:
         """The factor-objective ablation: each decomposition (whitened vs attention) at each kept
         ratio and group size, the same ranks."""
-        f = self.c.get("factors")
+        f = self.config.get("factors")
         if not f:
             return []
         from palu.decompose.factors import DECOMPOSITIONS
@@ -174,26 +139,22 @@ class Grid:
 
     def recovery_settings(self) -> dict:
         """The grid's recovery settings over the step's defaults (config.RecoveryConfig)."""
-        from palu.pipeline.config import RecoveryConfig
-        defaults = {k: v for k, v in asdict(RecoveryConfig()).items() if k != "checkpoint"}
-        r = self.c.get("recovery") or {}
-        stray = sorted(set(r) - set(defaults) - {"runs", "corpora"})
-        if stray:
-            raise ValueError(f"grid recovery has unknown keys {stray}; allowed: "
-                             f"{sorted(defaults) + ['runs', 'corpora']}")
-        return {k: r.get(k, v) for k, v in defaults.items()}
+        settings = settings_of(RecoveryConfig, self.config.get("recovery"), "recovery",
+                               drop=("runs", "corpora"))
+        settings.pop("checkpoint")          # the rule passes each run's own
+        return settings
 
     def recovery_tag(self) -> str:
         return naming.recovery_tag(**self.recovery_settings())
 
     def recovery_overrides(self) -> str:
-        return " ".join(f"recovery.{k}={v}" for k, v in self.recovery_settings().items())
+        return " ".join(hydra_overrides("recovery", self.recovery_settings()))
 
     def byte_budget_specs(self) -> list[PaluSpec]:
         """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, bits) the
         uniform checkpoint at that width (the reference) and an error_aware_bytes allocation of
         exactly its latent bytes (its kept ratio: the byte ratio to FP16, 5 decimals)."""
-        b = self.c.get("byte_budget")
+        b = self.config.get("byte_budget")
         if not b:
             return []
         from palu.decompose.bit_alloc import byte_ratio
@@ -202,7 +163,7 @@ class Grid:
         geom, out = self.geometry, []
         for entry in b["budgets"]:
             kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
-            uniform = allocate(geom, kept, group, "uniform", self.c["rank_multiple"])
+            uniform = allocate(geom, kept, group, "uniform", self.config["rank_multiple"])
             ratio = round(byte_ratio(uniform, [bits] * geom.num_layers), 5)
             out += [PaluSpec("whitened", "uniform", kept, group, bits),
                     PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
@@ -211,7 +172,7 @@ class Grid:
     def recovery_specs(self) -> list[PaluSpec]:
         """Each `recovery.runs` entry (uniform ranks, whitened unless given) before and after LoRA
         recovery."""
-        r = self.c.get("recovery")
+        r = self.config.get("recovery")
         if not r:
             return []
         tag, out = self.recovery_tag(), []
@@ -224,7 +185,7 @@ class Grid:
         return out
 
     def latent_bits_specs(self) -> list[PaluSpec]:
-        q = self.c.get("latent_bits")
+        q = self.config.get("latent_bits")
         if not q:
             return []
         # `kv_heads`: one group of all KV heads (J-LRD), whatever the model's head count
@@ -234,7 +195,7 @@ class Grid:
 
     def hadamard_specs(self) -> list[PaluSpec]:
         """One checkpoint per rotation (J-LRD by default), its latents at each bit width."""
-        h = self.c.get("hadamard")
+        h = self.config.get("hadamard")
         if not h:
             return []
         group = self.kv_heads() if h["group_size"] == "kv_heads" else int(h["group_size"])
@@ -243,20 +204,17 @@ class Grid:
 
     def quantization_palu_specs(self) -> list[PaluSpec]:
         """Palu rows of the quantization table: kept ratio x granularity x rotation x bits."""
-        p = (self.c.get("quantization") or {}).get("palu")
+        p = (self.config.get("quantization") or {}).get("palu")
         if not p:
             return []
         groups = [self.kv_heads() if g == "kv_heads" else int(g) for g in p["group_sizes"]]
         return [PaluSpec(p["decomposition"], p["rank_method"], float(k), g, int(b), r)
                 for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
 
-    def zeroshot_specs(self) -> list[PaluSpec]:
-        return self._suite_specs("zeroshot")
-
     def _suite_specs(self, key: str) -> list[PaluSpec]:
         """Palu rows of an evaluation suite (zeroshot, longcontext): each entry a kept ratio, group
         size and latent bits (uniform ranks, whitened SVD unless given)."""
-        z = self.c.get(key) or {}
+        z = self.config.get(key) or {}
         return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
                          float(p["kept_ratio"]),
                          self.kv_heads() if p["group_size"] == "kv_heads" else int(p["group_size"]),
@@ -269,7 +227,7 @@ class Grid:
     def _suite_runs(self, key: str) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
         """FP16 (the reference of every paired difference), the entry's Palu runs, its baselines
         and KVQuant at `<key>.kvquant_bits` (fitted for the quantization table)."""
-        z = self.c.get(key)
+        z = self.config.get(key)
         if not z:
             return {}
         out: dict = {"fp16": None, **{self.run_name(s): s for s in self._suite_specs(key)}}
@@ -281,27 +239,17 @@ class Grid:
     def longcontext_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
         return self._suite_runs("longcontext")
 
-    _SUITE_DEFAULTS = {
-        "needles": {"kinds": ["single"], "per_cell": 1, "corpus": "novels_standin", "seed": 0},
-        "qasper": {"limit": 20, "max_length": 2048, "seed": 0},
-        "longbench": {"limit": None, "max_length": 7500, "prompts": None},
-        "ruler": {"limit": None, "max_length": 8192},
-    }
-
     def longcontext_suites(self) -> dict[str, dict]:
-        """Each suite of the grid's `longcontext.suites` with its settings, defaults filled in."""
-        suites = (self.c.get("longcontext") or {}).get("suites") or {}
-        unknown = [s for s in suites if s not in self._SUITE_DEFAULTS]
+        """Each suite of the grid's `longcontext.suites` with its settings over the suite's schema
+        (config.LongContextConfig: one dataclass per suite)."""
+        suites = (self.config.get("longcontext") or {}).get("suites") or {}
+        known = {f.name: f.type for f in dataclasses.fields(LongContextConfig) if f.name != "suite"}
+        unknown = [s for s in suites if s not in known]
         if unknown:
-            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: "
-                             f"{list(self._SUITE_DEFAULTS)}")
-        out = {}
-        for name, given in suites.items():
-            s = {**self._SUITE_DEFAULTS[name], **(given or {})}
-            if name == "needles":
-                s.update(lengths=[int(x) for x in s["lengths"]], depths=[float(d) for d in s["depths"]])
-            out[name] = s
-        return out
+            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(known)}")
+        schemas = {name: type(getattr(LongContextConfig(), name)) for name in known}
+        return {name: settings_of(schemas[name], given, f"longcontext.suites.{name}")
+                for name, given in suites.items()}
 
     def longcontext_tags(self) -> dict[str, str]:
         """Result-file tag -> suite name, for every suite of the grid."""
@@ -319,20 +267,12 @@ class Grid:
     def longcontext_overrides(self, tag: str) -> str:
         """The Hydra overrides of the suite whose result tag is `tag`."""
         name = self.longcontext_tags()[tag]
-        out = [f"longcontext.suite={name}"]
-        for key, value in sorted(self.longcontext_suites()[name].items()):   # the grid's key order is no setting
-            if isinstance(value, list):
-                items = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
-                out.append(f"'longcontext.{name}.{key}=[{items}]'")
-            else:
-                out.append(f"longcontext.{name}.{key}={'null' if value is None else value}")
-        return " ".join(out)
+        return " ".join([f"longcontext.suite={name}"]
+                        + hydra_overrides(f"longcontext.{name}", self.longcontext_suites()[name]))
 
     def zeroshot_settings(self) -> dict:
-        z = self.c["zeroshot"]
-        return {"tasks": list(z.get("tasks") or ["piqa", "arc_easy", "arc_challenge", "hellaswag",
-                                                 "winogrande", "openbookqa"]),
-                "limit": z.get("limit"), "source": z.get("source", "embedded")}
+        return settings_of(ZeroshotConfig, self.config["zeroshot"], "zeroshot",
+                           drop=("palu", "baselines", "kvquant_bits"))
 
     def zeroshot_files(self) -> list[str]:
         s = self.zeroshot_settings()
@@ -345,12 +285,10 @@ class Grid:
                                         self.dtype))
 
     def zeroshot_overrides(self) -> str:
-        s = self.zeroshot_settings()
-        return (f"'zeroshot.tasks=[{','.join(s['tasks'])}]' zeroshot.source={s['source']} "
-                f"zeroshot.limit={'null' if s['limit'] is None else s['limit']}")
+        return " ".join(hydra_overrides("zeroshot", self.zeroshot_settings()))
 
     def kvquant_specs(self) -> list[KVQuantSpec]:
-        k = (self.c.get("quantization") or {}).get("kvquant")
+        k = (self.config.get("quantization") or {}).get("kvquant")
         if not k:
             return []
         return [KVQuantSpec(int(f["bits"]), f.get("weighting", "fisher"),
@@ -359,20 +297,28 @@ class Grid:
 
     def kvquant_ktag(self) -> str:
         """The calibration windows KVQuant's codebooks are fitted on (the state's lineage)."""
-        cal, k = self.c["calibration"], self.c["quantization"]["kvquant"]
+        cal, k = self.calibration, self.kvquant_settings(self.kvquant_specs()[0])
         return naming.kvquant_calibration_tag(cal["corpus"], k["samples"], k["seqlen"], k["seed"],
-                                              self.dtype, cal.get("bos", "auto"))
+                                              self.dtype, cal["bos"])
 
     def kvquant_state(self, spec: KVQuantSpec) -> str:
         return str(naming.kvquant_dir(self.work, self.model, self.kvquant_ktag(), spec.tag))
 
+    def kvquant_settings(self, spec: KVQuantSpec) -> dict:
+        """The fitting settings of `spec`'s state: the grid's `quantization.kvquant` block (windows,
+        tokens) over the schema, the spec's bits / weighting / outliers."""
+        given = {**self.config["quantization"]["kvquant"], "bits": spec.bits,
+                 "weighting": spec.weighting, "outlier_fraction": spec.outlier_fraction}
+        settings = settings_of(KVQuantConfig, given, "quantization.kvquant", drop=("fits",))
+        settings.pop("activations")         # the rule passes the capture it fits from
+        return settings
+
     def kvquant_overrides(self, spec: KVQuantSpec) -> str:
-        k = self.c["quantization"]["kvquant"]
-        return " ".join([f"kvquant.bits={spec.bits}", f"kvquant.weighting={spec.weighting}",
-                         f"kvquant.outlier_fraction={spec.outlier_fraction}",
-                         f"kvquant.samples={k['samples']}", f"kvquant.seqlen={k['seqlen']}",
-                         f"kvquant.seed={k['seed']}",
-                         f"kvquant.tokens_per_window={k.get('tokens_per_window', 256)}"])
+        return " ".join(hydra_overrides("kvquant", self.kvquant_settings(spec)))
+
+    def kvquant_states(self) -> dict[str, KVQuantSpec]:
+        """Every fitted state the grid needs, by its tag (the fit_kvquant rule's wildcard)."""
+        return {spec.tag: spec for spec in self.kvquant_specs()}
 
     def _configured_methods(self, confs) -> dict[str, dict]:
         from palu.methods import build_method
@@ -389,20 +335,20 @@ class Grid:
         """The grid's `methods:` list (method configs, as conf/method/ takes them) by tag: cache
         methods evaluated beside the FP16 baseline in the baseline table. A method is added to
         the default tables by one line here, no code."""
-        return self._configured_methods(self.c.get("methods"))
+        return self._configured_methods(self.config.get("methods"))
 
     def quantization_baselines(self) -> dict[str, dict]:
         """The quantization table's baselines that need no fitted state (Atom, KIVI, ...)."""
-        return self._configured_methods((self.c.get("quantization") or {}).get("baselines"))
+        return self._configured_methods((self.config.get("quantization") or {}).get("baselines"))
 
     def tables(self) -> list[str]:
         """The tables this grid makes: the baseline always, the others where it has their key."""
-        return [t for t in TABLES if t == "baseline" or self.c.get(t)]
+        return [t for t in TABLES if t == "baseline" or self.config.get(t)]
 
     def figure_specs(self) -> list[PaluSpec]:
         """rank_allocation.png: the allocations of `rank_figure.rank_methods` (or one
         `rank_method`) at one kept ratio and group size, one panel each."""
-        f = self.c["rank_figure"]
+        f = self.config["rank_figure"]
         methods = f.get("rank_methods", [f["rank_method"]] if "rank_method" in f else [])
         if not methods:
             raise ValueError("grid rank_figure needs rank_methods (a list) or rank_method")
@@ -410,14 +356,14 @@ class Grid:
         return [PaluSpec("whitened", m, float(f["kept_ratio"]), group) for m in methods]
 
     def memory_spec(self) -> PaluSpec:
-        m = self.c["memory"]
+        m = self.config["memory"]
         return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
 
     def memory_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict]:
         """Runs whose cache bytes and generated text the cache_memory table shows at a long
         prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
         `memory.methods`, and KVQuant at `memory.kvquant_bits` (when the quantization table fits it)."""
-        m, base = self.c["memory"], self.memory_spec()
+        m, base = self.config["memory"], self.memory_spec()
         palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
                 for b in m.get("bits", [16])]
         out: dict = {"fp16": None, **{self.run_name(s): s for s in palu}}
@@ -427,13 +373,13 @@ class Grid:
         return out
 
     def memory_files(self) -> list[str]:
-        m = self.c["memory"]
+        m = self.config["memory"]
         return [str(naming.memory_path(self.results, self.model, run, m["context"], m["corpus"]))
                 for run in self.memory_runs()]
 
     def outlier_checkpoints(self) -> list[str]:
         """latent_outliers.png: the hadamard table's checkpoint under each of its rotations."""
-        h = self.c.get("hadamard")
+        h = self.config.get("hadamard")
         if not h:
             return []
         group = self.kv_heads() if h["group_size"] == "kv_heads" else int(h["group_size"])
@@ -469,14 +415,14 @@ class Grid:
         if isinstance(spec, KVQuantSpec):
             return naming.run_name(spec.tag, (self.kvquant_ktag(),))
         return naming.run_name(spec.tag, palu_lineage(self.ctag, self.ftag, spec.rank_method,
-                                                             self.c["rank_multiple"]))
+                                                             self.config["rank_multiple"]))
 
     @cached_property
     def _runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
         out: dict[str, PaluSpec | KVQuantSpec | dict | None] = {
             "fp16": None, **self.method_runs(), **self.quantization_baselines()}
         out.update({self.run_name(s): s for s in self.kvquant_specs()})
-        if self.c.get("memory"):
+        if self.config.get("memory"):
             out.update(self.memory_runs())
         out.update(self.zeroshot_runs())
         out.update(self.longcontext_runs())
@@ -486,28 +432,26 @@ class Grid:
 
     # ---- paths ---------------------------------------------------------------------------------
     def metrics(self, run: str, corpora: list[str] | None = None) -> list[str]:
-        ev = self.c["eval"]
-        return [str(naming.metrics_path(self.results, self.model, run, corpus, ev["seqlen"],
-                                        ev.get("max_tokens"), self.dtype,
-                                        ev.get("calibration_fraction", 0.3), ev.get("bos", "auto")))
-                for corpus in corpora or ev["corpora"]]
+        return [str(self.metrics_path(run, corpus)) for corpus in corpora or self.config["eval"]["corpora"]]
+
+    def metrics_path(self, run: str, corpus: str):
+        d = self.data
+        return naming.metrics_path(self.results, self.model, run, corpus, d["seqlen"], d["max_tokens"],
+                                   self.dtype, d["calibration_fraction"], d["bos"])
 
     def table_corpora(self, table: str) -> list[str]:
         """The corpora a table evaluates on: its own `corpora:` (a subset of eval.corpora), else all."""
-        own = (self.c.get(table) or {}).get("corpora") if isinstance(self.c.get(table), dict) else None
+        own = (self.config.get(table) or {}).get("corpora") if isinstance(self.config.get(table), dict) else None
         if own is None:
-            return list(self.c["eval"]["corpora"])
-        stray = [c for c in own if c not in self.c["eval"]["corpora"]]
+            return list(self.config["eval"]["corpora"])
+        stray = [c for c in own if c not in self.config["eval"]["corpora"]]
         if stray:
-            raise ValueError(f"grid {table}.corpora {stray} are not in eval.corpora {self.c['eval']['corpora']}")
+            raise ValueError(f"grid {table}.corpora {stray} are not in eval.corpora {self.config['eval']['corpora']}")
         return list(own)
 
     def evaluation_pattern(self) -> str:
-        """The evaluate rule's output, with {run} {corpus} {seqlen} {tokens} wildcards."""
-        ev = self.c["eval"]
-        return str(naming.metrics_path(self.results, self.model, "{run}", "{corpus}", "{seqlen}",
-                                       "{tokens}", self.dtype, ev.get("calibration_fraction", 0.3),
-                                       ev.get("bos", "auto")))
+        """The evaluate rule's output, with {run} and {corpus} wildcards (the windows are the grid's)."""
+        return str(self.metrics_path("{run}", "{corpus}"))
 
     def table_inputs(self, table: str) -> list[str]:
         corpora = self.table_corpora(table)
@@ -515,13 +459,32 @@ class Grid:
 
     def ranks_file(self, spec: PaluSpec) -> str:
         return str(naming.ranks_path(self.work, self.model, self.ctag, self.ftag, spec.rank_method,
-                                     spec.kept_ratio, spec.group_size, self.c["rank_multiple"]))
+                                     spec.kept_ratio, spec.group_size, self.config["rank_multiple"]))
 
     def checkpoint(self, spec: PaluSpec) -> str:
         tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size,
                               rotation=rotation_tag(spec.rotation), recovery=spec.recovery)
         return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, tag,
-                                         self.c["rank_multiple"], spec.rank_method))
+                                         self.config["rank_multiple"], spec.rank_method))
+
+    def checkpoints(self) -> dict[str, PaluSpec]:
+        """Every checkpoint the grid's runs read, by its folder: the one place a checkpoint's path
+        leads back to its spec (the decompose and recover rules look their wildcard up here,
+        nothing is parsed back from the path)."""
+        out = {}
+        for spec in self.runs().values():
+            if isinstance(spec, PaluSpec):
+                for ck in {spec.checkpoint_spec(), spec.base().checkpoint_spec()}:
+                    out[self.checkpoint(ck)] = ck
+        return out
+
+    def ranks_files(self) -> dict[str, PaluSpec]:
+        """Every ranks file the grid's checkpoints and the rank figure read, by its path (the
+        ranks rules' lookup)."""
+        # a ranks file depends on the allocator, kept ratio and group size only
+        specs = [PaluSpec("whitened", s.rank_method, s.kept_ratio, s.group_size)
+                 for s in (*self.checkpoints().values(), *self.figure_specs())]
+        return {self.ranks_file(s): s for s in specs}
 
     def prepared_model(self) -> str:
         return str(naming.prepared_model_dir(self.work, self.model))
@@ -536,7 +499,7 @@ class Grid:
         return [self.prepared_model()]
 
     def run_overrides(self, run: str) -> str:
-        """The Hydra overrides that select `run`'s method (and its palu.* settings)."""
+        """The Hydra overrides that select `run`'s method."""
         spec = self._run(run)
         if spec is None:
             return "method=fp16"
@@ -545,8 +508,8 @@ class Grid:
         if isinstance(spec, dict):
             return " ".join([f"method={spec['name']}"] +
                             [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
-        return " ".join(spec.overrides() + ["method=palu", f"method.checkpoint={self.checkpoint(spec)}",
-                                            f"method.bits={spec.bits}"])
+        # the checkpoint's manifest says how it was made: no palu.* setting is restated
+        return f"method=palu method.checkpoint={self.checkpoint(spec)} method.bits={spec.bits}"
 
     def _run(self, run: str) -> PaluSpec | dict | None:
         runs = self.runs()

@@ -56,6 +56,14 @@ def recovery_tag_of(cfg) -> str:
     return recovery_tag(r.rank, r.steps, r.samples, r.seqlen, r.lr, r.init_scale, r.seed)
 
 
+def ranks_root(work: str, model: str) -> Path:
+    return Path(work) / "ranks" / model
+
+
+def palu_root(work: str, model: str) -> Path:
+    return Path(work) / "palu" / model
+
+
 def ranks_path(work: str, model: str, ctag: str, ftag: str, rank_method: str, kept_ratio: float,
                group_size: int, multiple: int, head_order: str = "none") -> Path:
     # Uniform ranks depend on neither calibration nor Fisher (nor the head order): one file
@@ -63,15 +71,15 @@ def ranks_path(work: str, model: str, ctag: str, ftag: str, rank_method: str, ke
     order = "" if rank_method == "uniform" else head_order_tag(head_order)
     stem = f"{rank_method}-k{fmt_ratio(kept_ratio)}-g{group_size}{order}-m{multiple}.json"
     if rank_method == "uniform":
-        return Path(work) / "ranks" / model / stem
-    return Path(work) / "ranks" / model / ctag / ftag / stem
+        return ranks_root(work, model) / stem
+    return ranks_root(work, model) / ctag / ftag / stem
 
 
 def checkpoint_dir(work: str, model: str, ctag: str, ftag: str, tag: str, multiple: int | str,
                    rank_method: str) -> Path:
     # Uniform ranks use no Fisher scores, so their checkpoints must not depend on the Fisher setting.
     ftag = "no-fisher" if rank_method == "uniform" else ftag
-    return Path(work) / "palu" / model / ctag / ftag / f"{tag}-m{multiple}"
+    return palu_root(work, model) / ctag / ftag / f"{tag}-m{multiple}"
 
 
 def kvquant_calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, dtype: str,

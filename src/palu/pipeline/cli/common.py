@@ -56,9 +56,28 @@ def run_name_of(cfg, out: str | os.PathLike) -> str:
     return full.name
 
 
+# The settings groups a step that evaluates a cache method reads (beside model, paths, tracking
+# and the top-level keys): its record holds these and no other group. In particular not palu.*,
+# calibration.* or fisher.*: a checkpoint's own manifest (in the method's record) says how it was
+# made, so a checkpoint is evaluated by hand with method.checkpoint alone.
+EVALUATING_STEPS = {"evaluate": ("data", "method"), "zeroshot": ("method", "zeroshot"),
+                    "longcontext": ("method", "longcontext"), "generate": ("data", "method", "generate")}
+_ALWAYS = ("model", "paths", "tracking")
+
+
+def config_of(cfg, step: str) -> dict:
+    """The resolved config a step's outputs and W&B run record: every group for the steps that
+    make artifacts, only what they read for the evaluating steps (`EVALUATING_STEPS`)."""
+    full = to_dict(cfg)
+    if step not in EVALUATING_STEPS:
+        return full
+    keep = set(_ALWAYS) | set(EVALUATING_STEPS[step])
+    return {k: v for k, v in full.items() if k in keep or not isinstance(v, dict)}
+
+
 def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, config: dict | None = None):
     """The W&B run of one step making `out` from `used` (kind -> path or paths)."""
-    return tracked_step(cfg.tracking, config if config is not None else to_dict(cfg), job_type=step,
+    return tracked_step(cfg.tracking, config if config is not None else config_of(cfg, step), job_type=step,
                         name=run_name_of(cfg, out), group=cfg.model.name if "model" in cfg else "tables",
                         used=used)
 
@@ -87,6 +106,6 @@ def environment() -> dict:
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
 
 
-def record(cfg, **extra) -> dict:
-    """What every output file carries: the full resolved config and the environment."""
-    return {"config": to_dict(cfg), "environment": environment(), **extra}
+def record(cfg, step: str, **extra) -> dict:
+    """What every output file carries: the step's resolved config (`config_of`) and the environment."""
+    return {"config": config_of(cfg, step), "environment": environment(), **extra}

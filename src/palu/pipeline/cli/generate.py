@@ -33,7 +33,7 @@ def measure(cfg, method, context: int, prompt: str, new_tokens: int) -> dict:
               "context": context, "dtype": cfg.model.dtype,
               **bytes_summary(stored, elem, model.config, ids.shape[1]),
               "prompt": prompt, "text": tok.decode(out[0, prompt_ids.shape[1]:])}
-    return {**record(cfg), "result": result, "summary": method.summary()}
+    return {**record(cfg, "generate"), "result": result, "summary": method.summary()}
 
 
 def run(cfg) -> dict:

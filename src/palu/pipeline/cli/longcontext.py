@@ -40,7 +40,7 @@ def run(cfg) -> dict:
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "suite": lc.suite, "run": naming.run_name(method.tag, method.lineage()),
                    **method.summary()}
-        write_json(out, record(cfg, longcontext=result, summary=summary, method=method.record()))
+        write_json(out, record(cfg, "longcontext", longcontext=result, summary=summary, method=method.record()))
         wb.metrics({f"{task}/{k}": v[k] for task, v in result["tasks"].items() for k in ("score", "n")})
         if wb.enabled:
             import pandas as pd

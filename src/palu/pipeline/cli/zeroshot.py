@@ -34,7 +34,7 @@ def run(cfg) -> dict:
                                    source=z.source, seed=z.seed)
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "run": naming.run_name(method.tag, method.lineage()), **method.summary()}
-        write_json(out, record(cfg, zeroshot=result, summary=summary, method=method.record()))
+        write_json(out, record(cfg, "zeroshot", zeroshot=result, summary=summary, method=method.record()))
         wb.metrics({f"{task}/{k}": v for task, r in result["tasks"].items()
                     for k, v in r.items() if k != "samples"})
         if wb.enabled:

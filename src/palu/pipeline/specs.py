@@ -1,0 +1,94 @@
+"""The typed runs a grid plans, and the one way settings become Hydra overrides.
+
+A grid section that configures a step (calibration, fisher, eval, zeroshot, a long-context suite,
+recovery, KVQuant fitting) is merged onto that step's schema dataclass (`settings_of`): an unknown
+key fails naming it, what the grid leaves out takes the schema's default (palu.pipeline.config is
+the one home of defaults), and `hydra_overrides` turns the merged settings into the command
+line of the step. No key list or default is written twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from palu.decompose.checkpoint import rotation_tag
+from palu.pipeline import naming
+
+
+def settings_of(schema, given: dict | None, where: str, drop: tuple[str, ...] = ()) -> dict:
+    """`given` (a grid section) over `schema`'s defaults; `drop`: keys of the section that are the
+    grid's own (run lists, corpora), not settings of the step."""
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(schema)}
+    given = {k: v for k, v in (given or {}).items() if k not in drop}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"grid {where} has unknown keys {unknown}; its settings: {sorted(defaults)}"
+                         + (f" (and the grid's own {sorted(drop)})" if drop else ""))
+    return {**defaults, **given}
+
+
+def _value(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    return str(v)        # a float's shortest round-trip text: Hydra reads back the same number
+
+
+def hydra_overrides(group: str, settings: dict) -> list[str]:
+    """`group.key=value` for every setting (lists quoted for the shell), in key order: the
+    grid's key order is no setting."""
+    out = []
+    for key, value in sorted(settings.items()):
+        item = f"{group}.{key}={_value(value)}"
+        out.append(f"'{item}'" if isinstance(value, (list, tuple)) else item)
+    return out
+
+
+@dataclass(frozen=True)
+class PaluSpec:
+    """One Palu run: how its checkpoint is made, and the bit width its cache stores latents at."""
+    decomposition: str
+    rank_method: str
+    kept_ratio: float
+    group_size: int
+    bits: int | str = 16       # or "alloc": the per-layer widths of an error_aware_bytes allocation
+    rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
+    recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
+
+    @property
+    def tag(self) -> str:
+        return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
+                               self.group_size, self.bits, rotation_tag(self.rotation), self.recovery)
+
+    def base(self) -> "PaluSpec":
+        """The same run without recovery (the checkpoint recovery starts from)."""
+        return PaluSpec(self.decomposition, self.rank_method, self.kept_ratio, self.group_size,
+                        self.bits, self.rotation)
+
+    def checkpoint_spec(self) -> "PaluSpec":
+        """The checkpoint this run reads (its latents' bit width is the cache's, not the checkpoint's)."""
+        return dataclasses.replace(self, bits=16)
+
+    def overrides(self) -> list[str]:
+        """The palu.* settings that make this run's checkpoint (steps ranks and decompose)."""
+        return hydra_overrides("palu", {"decomposition": self.decomposition,
+                                        "rank_method": self.rank_method,
+                                        "kept_ratio": self.kept_ratio, "group_size": self.group_size,
+                                        "rotation": self.rotation, "rotation_seed": 0})
+
+
+@dataclass(frozen=True)
+class KVQuantSpec:
+    """One KVQuant run: the settings its codebooks are fitted with (step fit_kvquant)."""
+    bits: int
+    weighting: str
+    outlier_fraction: float
+
+    @property
+    def tag(self) -> str:
+        from palu.methods.kvquant import state_tag
+        return state_tag(self.bits, self.weighting, self.outlier_fraction)
