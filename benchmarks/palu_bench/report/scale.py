@@ -93,8 +93,13 @@ def grid_jobs(grid: str, model_config: dict, snakefile: Path = ROOT / "Snakefile
              "--snakefile", str(snakefile), "--directory", str(snakefile.parent), "--configfile", str(grid),
              "--config", f"work={work}", f"results={work}/results"],
             capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"dry run of {grid} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"dry run of {grid} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        # a checkpoint's settings are the grid's spec of its folder (the decompose wildcard)
+        from palu.pipeline import naming
+        from palu.pipeline.grid import Grid
+        checkpoints = Grid({**raw, "work": work, "results": f"{work}/results"}).checkpoints()
+        root = naming.palu_root(work, raw["model"])
     jobs, current = [], None
     for line in proc.stdout.splitlines():
         if m := re.match(r"^(?:local)?rule (\w+):$", line):
@@ -102,6 +107,8 @@ def grid_jobs(grid: str, model_config: dict, snakefile: Path = ROOT / "Snakefile
             jobs.append(current)
         elif current is not None and (m := re.match(r"^\s+wildcards: (.*)$", line)):
             current["wildcards"] = dict(kv.split("=", 1) for kv in m.group(1).split(", "))
+            if current["rule"] == "decompose":
+                current["spec"] = checkpoints[str(root / current["wildcards"]["name"])]
     return jobs
 
 
@@ -162,7 +169,7 @@ def job_seconds(job: dict, rates: Rates, grid: dict) -> float | None:
         svds = [v for v in rates.ok[rates.ok["step"] == "whitened_svds"]["variant"]][0]
         return load + rates.seconds("whitened_svds", svds) + rates.seconds("ranks", probed)
     if rule == "decompose":
-        return load + rates.decompose(int(w["group"]))
+        return load + rates.decompose(job["spec"].group_size)
     if rule == "kvquant_capture":
         k = grid["quantization"]["kvquant"]
         return load + k["samples"] * k["seqlen"] / rates.rate("kvquant_capture", "")[0]
