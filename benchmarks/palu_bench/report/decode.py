@@ -98,7 +98,7 @@ def hf_markdown(hf: dict) -> str:
     if "error" not in frame:
         frame["error"] = None
     for column, default in (("graph", False), ("baseline", hf["baseline"])):
-        # runs before the graph rows: eager only, one baseline
+        # result files without graph rows: eager only, one baseline
         frame[column] = frame[column].fillna(default) if column in frame else default
     order = list(dict.fromkeys(frame["variant"]))
     frame["variant"] = pd.Categorical(frame["variant"], categories=order, ordered=True)

@@ -1,7 +1,8 @@
 """The contract every KV-cache method meets, and the registry that maps config names to classes.
 
 A method is one dataclass (its hyper-parameters are its fields) in one file of this package,
-plus one YAML in conf/method/. Evaluation, generation and the tables only use this contract:
+and nothing else (the pipeline's `method=<name>` option is built from its fields). Evaluation,
+generation and the tables only use this contract:
 
     method = build_method({"name": "palu", "checkpoint": "work/palu/...", "bits": 4})
     method.install(model)              # change the model (Palu: factorised attention)
@@ -101,7 +102,7 @@ def build_method(config: dict[str, Any]) -> CacheMethod:
 
 def _discover() -> None:
     """Import every module of this package once, so each method registers itself: adding a
-    method is one file here and one YAML in conf/method/, nothing else to edit."""
+    method is one file here, nothing else to edit."""
     global _DISCOVERED
     if _DISCOVERED:
         return

@@ -197,7 +197,7 @@ class Config:
     longcontext: LongContextConfig = field(default_factory=LongContextConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    # the KV-cache method (conf/method/<name>.yaml; fields checked by palu.methods)
+    # the KV-cache method (`method=<name>`: its dataclass fields, checked by palu.methods)
     method: Dict[str, Any] = field(default_factory=lambda: {"name": "fp16"})
     out: Optional[str] = None           # output file; default derived from the parameters
     device: str = "cpu"

@@ -1,7 +1,7 @@
 """The experiment grid (conf/grid/*.yaml): which runs each table needs, and their Hydra overrides.
 
 The Snakefile only expands what this module returns, so a Python user can enumerate the same
-runs without Snakemake. A run is a KV-cache method (conf/method/) evaluated on the grid's
+runs without Snakemake. A run is a KV-cache method (palu.methods) evaluated on the grid's
 corpora; runs are keyed by their `naming.run_name` (the method's tag, then the calibration it
 was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
@@ -332,7 +332,7 @@ class Grid:
         return out
 
     def method_runs(self) -> dict[str, dict]:
-        """The grid's `methods:` list (method configs, as conf/method/ takes them) by tag: cache
+        """The grid's `methods:` list (method configs: a name and its fields) by tag: cache
         methods evaluated beside the FP16 baseline in the baseline table. A method is added to
         the default tables by one line here, no code."""
         return self._configured_methods(self.config.get("methods"))

@@ -47,10 +47,10 @@ def run_row(path: str | Path) -> dict:
         "family": m.get("family") or ("palu" if "kept_ratio_target" in m else m["method"]),
         "kv_bits": m.get("kv_bits", 16),
         "byte_ratio_target": m.get("byte_ratio_target", math.nan),
-        # measured from a real cache at the evaluated length (runs before issue 16 have none)
+        # measured from a real cache at the evaluated length (older result files have none)
         **{k: m.get(k, math.nan) for k in BYTES},
         "dtype": m.get("dtype"), "ppl": m["ppl"],
-        # 95% interval over the run's token blocks (runs before issue 21 stored none)
+        # 95% interval over the run's token blocks (older result files stored none)
         **dict(zip(("ppl_lo", "ppl_hi"), ppl_interval(m["block_nll"], m["block_tokens"])
                    if m.get("block_nll") else (math.nan, math.nan))),
     }
