@@ -1,6 +1,7 @@
 import os
 import re
 import sys
+from pathlib import Path
 
 from palu.decompose.ranks import allocator_kind
 from palu.pipeline import naming

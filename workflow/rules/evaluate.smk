@@ -6,9 +6,9 @@ rule evaluate:
     output:
         GRID.evaluation_pattern(),
     log:
-        log("evaluate", "{run}/{corpus}"),
+        log("evaluate", "{run}/" + Path(GRID.evaluation_pattern()).stem),
     benchmark:
-        bench("evaluate", "{run}/{corpus}")
+        bench("evaluate", "{run}/" + Path(GRID.evaluation_pattern()).stem)
     threads: threads_of("evaluate")
     resources: **needs("evaluate")
     params:
