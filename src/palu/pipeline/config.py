@@ -235,15 +235,10 @@ _GROUPS = {"calibration": CalibrationConfig, "fisher": FisherWindows, "palu": Pa
 def method_defaults(name: str) -> dict:
     """A KV-cache method's fields with their dataclass defaults: the `method` group's option
     `name` (what `conf/method/<name>.yaml` used to restate)."""
-    import dataclasses
-
     from palu.methods import REGISTRY, method_names
+    from palu.pipeline.specs import defaults_of
     method_names()                       # imports every method module, so each registers itself
-    out = {"name": name}
-    for f in dataclasses.fields(REGISTRY[name]):
-        if f.init:
-            out[f.name] = (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-    return out
+    return {"name": name, **defaults_of(REGISTRY[name])}
 
 
 def register() -> None:

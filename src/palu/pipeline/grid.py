@@ -243,11 +243,11 @@ class Grid:
         """Each suite of the grid's `longcontext.suites` with its settings over the suite's schema
         (config.LongContextConfig: one dataclass per suite)."""
         suites = (self.config.get("longcontext") or {}).get("suites") or {}
-        known = {f.name: f.type for f in dataclasses.fields(LongContextConfig) if f.name != "suite"}
-        unknown = [s for s in suites if s not in known]
+        schemas = {f.name: type(getattr(LongContextConfig(), f.name))
+                   for f in dataclasses.fields(LongContextConfig) if f.name != "suite"}
+        unknown = [s for s in suites if s not in schemas]
         if unknown:
-            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(known)}")
-        schemas = {name: type(getattr(LongContextConfig(), name)) for name in known}
+            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(schemas)}")
         return {name: settings_of(schemas[name], given, f"longcontext.suites.{name}")
                 for name, given in suites.items()}
 

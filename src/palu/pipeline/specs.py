@@ -15,11 +15,16 @@ from palu.decompose.checkpoint import rotation_tag
 from palu.pipeline import naming
 
 
+def defaults_of(schema) -> dict:
+    """A dataclass's init fields with their defaults."""
+    return {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            for f in dataclasses.fields(schema) if f.init}
+
+
 def settings_of(schema, given: dict | None, where: str, drop: tuple[str, ...] = ()) -> dict:
     """`given` (a grid section) over `schema`'s defaults; `drop`: keys of the section that are the
     grid's own (run lists, corpora), not settings of the step."""
-    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                for f in dataclasses.fields(schema)}
+    defaults = defaults_of(schema)
     given = {k: v for k, v in (given or {}).items() if k not in drop}
     unknown = sorted(set(given) - set(defaults))
     if unknown:
