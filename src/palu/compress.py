@@ -18,11 +18,11 @@ from .calib.gram import collect_grams
 from .data.corpora import load_corpus
 from .data.windows import bos_token_for, calibration_windows, tokenize
 from .decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag, save_compressed, source_hash
-from .decompose.probe import PROBE_WINDOWS, allocate_probed
-from .decompose.spectra import whitened_svds
+from .decompose.allocation import allocate_ranks
+from .decompose.probe import PROBE_WINDOWS
 from .decompose.factors import NEEDS_GRAM, decompose_model
 from .decompose.heads import permute_statistics
-from .decompose.ranks import FISHER_KEY, PROBED, allocate
+from .decompose.ranks import get_allocator
 from .models.adapters import check_rope, geometry_of
 
 
@@ -135,6 +135,7 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     checkpoint and applied again by `load_compressed`); "none" keeps the model's order."""
     geom = geometry_of(model.config)
     check_rope(model.config, "Palu")          # before any work: its latents are rotated when read
+    allocator = get_allocator(rank_method)
     from .eval.runner import check_seqlen
     for name, w in (("calibration", calibration), ("fisher_windows", fisher_windows),
                     ("probe_windows", probe_windows)):
@@ -146,8 +147,8 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
     orders = _reorder(model, grams, group_size, head_order)
-    fisher = None
-    if rank_method != "uniform":
+    stats = None
+    if allocator.statistic is not None:
         stats = fisher_stats
         if stats is None:
             if fisher_windows is None:
@@ -157,22 +158,14 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
             stats = collect_fisher(model, fisher_windows, progress)   # of the reordered heads
         elif orders is not None:   # precomputed on the unmodified model: into the new head order
             stats = permute_statistics(stats, orders)
-        fisher = stats if rank_method == "probe_select" else stats[FISHER_KEY[rank_method]]
-    if rank_method in PROBED:
-        if grams is None:
-            raise ValueError(f"rank_method={rank_method!r} needs decomposition='whitened' (its error "
-                             "profiles and probe models are the whitened factors)")
-        windows = probe_windows if probe_windows is not None else (
-            None if fisher_windows is None else fisher_windows[:PROBE_WINDOWS])
-        needs_probe = rank_method != "error_aware" or key_weight == "auto"
-        if needs_probe and windows is None:
-            raise ValueError(f"{rank_method if rank_method != 'error_aware' else 'key_weight=auto'} "
-                             "probes on held-out windows: pass probe_windows= (or fisher_windows=)"
-                             + ("" if rank_method != "error_aware" else ", or a numeric key_weight"))
-        allocation = allocate_probed(model, whitened_svds(model, grams, group_size), fisher, rank_method,
-                                     kept_ratio, group_size, multiple, windows, key_weight)
-    else:
-        allocation = allocate(geom, kept_ratio, group_size, rank_method, multiple, fisher)
+    if allocator.probes and grams is None:
+        raise ValueError(f"rank_method={rank_method!r} needs decomposition='whitened' (its error "
+                         "profiles and probe models are the whitened factors)")
+    if probe_windows is None and fisher_windows is not None:
+        probe_windows = fisher_windows[:PROBE_WINDOWS]
+    allocation = allocate_ranks(rank_method, kept_ratio, group_size, multiple, geom, stats=stats,
+                                model=model, grams=grams, probe_windows=probe_windows,
+                                key_weight=key_weight, source="fisher_stats")
     factors, report = decompose_model(model, allocation, grams, decomposition, progress,
                                       rotation, rotation_seed)
     manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},

@@ -218,13 +218,14 @@ def test_grid_sections_are_settings_over_the_schema():
     """A grid section is the step's settings over its schema dataclass: a typo fails naming the
     key, what the section leaves out is the schema's default (no third copy of defaults), and
     the overrides the rules pass are generated from the merged settings."""
-    from palu.pipeline.config import NeedlesConfig, ZeroshotConfig
+    from palu.eval.needles import NeedlesSettings
+    from palu.pipeline.config import ZeroshotConfig
     from palu.pipeline.grid import Grid
     raw = yaml.safe_load((Path(CONF_DIR) / "grid" / "default.yaml").read_text())
     grid = Grid(raw)
     assert grid.zeroshot_settings()["seed"] == ZeroshotConfig().seed
     needles = grid.longcontext_suites()["needles"]
-    assert needles["max_new_tokens"] == NeedlesConfig().max_new_tokens
+    assert needles["max_new_tokens"] == NeedlesSettings().max_new_tokens
     assert "'longcontext.needles.lengths=[1024,2048]'" in grid.longcontext_overrides(
         next(t for t, n in grid.longcontext_tags().items() if n == "needles")).split()
     for section, typo in (("calibration", "sampels"), ("fisher", "sed"), ("eval", "seqln")):

@@ -139,7 +139,7 @@ def test_documents_are_answered_through_the_method_cache(tmp_path):
     assert set(result["tasks"]) == {"hotpotqa", "passage_count"}
     assert all(0.0 <= s["score"] <= 1.0 and s["prompt_tokens"] <= 120 for s in result["samples"])
     # the answer is what prefill + token-by-token decoding through the quantised cache gives
-    from palu.eval.longcontext import answer
+    from palu.eval.generation import answer
     ids, _ = prompt_ids(tok, docs[0], 120)
     with torch.no_grad():
         cache = method.make_cache(model)

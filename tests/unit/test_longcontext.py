@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import palu
-from palu.eval.longcontext import KINDS, answer, make_samples, score
+from palu.eval.generation import answer
+from palu.eval.needles import KINDS, make_samples, score
 from palu.methods import build_method
 from tiny import WORDS, tiny_llama, tiny_tokenizer
 

@@ -31,7 +31,7 @@ import torch
 from palu.quant.packed import dequantize_latent, packed_width, quantize_latent
 
 from ..models.adapters import adapter_for, geometry_of
-from .ranks import Slot, slots
+from .ranks import Allocator, Slot, register_allocator, slots
 
 BIT_OPTIONS = (16, 8, 4, 3, 2)
 SCALE_BYTES = 4          # fp16 scale + zero point per token and quantisation group
@@ -242,3 +242,10 @@ def byte_allocation(model, svds: dict, fisher: torch.Tensor, byte_ratio: float, 
                                 key_weight)
     allocation["byte_budget"]["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1])}
     return allocation
+
+
+def _probe(model, svds, fisher, byte_ratio, group_size, multiple, windows, key_weight) -> dict:
+    return byte_allocation(model, svds, fisher, byte_ratio, group_size, multiple, windows)
+
+
+register_allocator("error_aware_bytes", Allocator("output_fisher", probe=_probe))

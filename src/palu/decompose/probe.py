@@ -19,7 +19,8 @@ import math
 import torch
 
 from ..models.adapters import adapter_for, geometry_of
-from .ranks import Slot, allocate, blend, ranks_table
+from .ranks import (Allocator, Slot, allocate, blend, error_aware_units, get_allocator, ranks_table,
+                    register_allocator)
 
 KEY_WEIGHTS = (1.0, 2.0, 4.0, 8.0, 16.0)
 PROBE_WINDOWS = 1        # Fisher windows the probe scores (one 2048-token window by default)
@@ -111,7 +112,6 @@ def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     winner's allocation relabelled `probe_select`, with every candidate's loss under "probe"
     (ties: the earlier candidate). Model selection on held-out calibration text, not a new loss
     model: it is never worse on the probe than the best allocation it chooses from."""
-    from .ranks import FISHER_KEY
     if not candidates:
         raise ValueError("probe_select needs at least one candidate allocator")
     geom = geometry_of(model.config)
@@ -129,7 +129,8 @@ def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     for method, key_weight in candidates:
         if method == "probe_select":
             raise ValueError("probe_select cannot be its own candidate")
-        fisher = None if method == "uniform" else stats[FISHER_KEY[method]]
+        statistic = get_allocator(method).statistic
+        fisher = None if statistic is None else stats[statistic]
         extra = {"key_weight": key_weight} if method == "error_aware" else {}
         score(candidate_name(method, key_weight),
               allocate(geom, kept_ratio, group_size, method, multiple, fisher,
@@ -149,17 +150,17 @@ def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
 
 def allocate_probed(model, svds: dict, fisher, method: str, kept_ratio: float, group_size: int,
                     multiple: int, windows: torch.Tensor | None, key_weight: float | str = "auto") -> dict:
-    """The ranks of a method that scores allocations with the model (ranks.PROBED): error_aware
-    (its key weight probed on `windows` when "auto"), probe_select, error_aware_bytes (its kept
-    ratio: the fraction of the FP16 cache's bytes). `fisher`: the method's statistic (all of them,
-    a dict, for probe_select). What `palu.compress` and the ranks step both call."""
-    if method == "error_aware_bytes":
-        from .bit_alloc import byte_allocation
-        return byte_allocation(model, svds, fisher, kept_ratio, group_size, multiple, windows)
-    if method == "probe_select":
-        return probe_select(model, svds, fisher, kept_ratio, group_size, multiple, windows)
-    if method != "error_aware":
+    """The ranks of a method that scores allocations with the model (its `Allocator.probe`):
+    error_aware (its key weight probed on `windows` when "auto"), probe_select, error_aware_bytes
+    (its kept ratio: the fraction of the FP16 cache's bytes). `fisher`: the method's statistic (all
+    of them, a dict, for probe_select)."""
+    allocator = get_allocator(method)
+    if not allocator.probes:
         raise ValueError(f"rank method {method!r} does not score allocations with the model")
+    return allocator.probe(model, svds, fisher, kept_ratio, group_size, multiple, windows, key_weight)
+
+
+def _error_aware(model, svds, fisher, kept_ratio, group_size, multiple, windows, key_weight) -> dict:
     probe = None
     if key_weight == "auto":
         key_weight, probe = probe_key_weight(model, svds, fisher, kept_ratio, group_size, multiple, windows)
@@ -170,3 +171,12 @@ def allocate_probed(model, svds: dict, fisher, method: str, kept_ratio: float, g
         allocation["probe"] = {"windows": int(len(windows)), "seqlen": int(windows.shape[1]),
                                "candidates": probe}
     return allocation
+
+
+def _probe_select(model, svds, stats, kept_ratio, group_size, multiple, windows, key_weight) -> dict:
+    return probe_select(model, svds, stats, kept_ratio, group_size, multiple, windows)
+
+
+register_allocator("error_aware", Allocator("output_fisher", units=error_aware_units, probe=_error_aware,
+                                            spectra=True))
+register_allocator("probe_select", Allocator("all", probe=_probe_select))

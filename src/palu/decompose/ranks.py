@@ -33,18 +33,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..models.adapters import Geometry
 
 @dataclass(frozen=True)
+class Budget:
+    """What a statistics allocator splits: `total` units of `multiple` dims over `slots`, each
+    block 1..`cap` units, weighed by `fisher` ((layers, 2, kv_heads), the allocator's statistic)."""
+    geom: Geometry
+    slots: list
+    group_size: int
+    multiple: int
+    cap: int
+    total: int
+    fisher: torch.Tensor | None
+    spectra: dict | None          # {Slot: sigma^2 descending}, for allocators with `spectra`
+    key_weight: float
+
+
+@dataclass(frozen=True)
 class Allocator:
     """One rank allocator: the Fisher statistic it weighs blocks by (calib.fisher; None: none,
-    "all": every one) and whether it scores allocations with the model itself on probe windows
-    (decompose/probe.py: it then needs the calibration Gram's whitened factors and the model)."""
+    "all": every one), `units` (its split of a `Budget`, what `allocate` calls: from the statistic
+    alone) and/or `probe` (its allocation scored with the model itself on probe windows:
+    `probe(model, svds, fisher, kept_ratio, group_size, multiple, windows, key_weight)`, what
+    `decompose.allocation.allocate_ranks` calls; it needs the Gram's whitened factors and the
+    model). `spectra`: `units` also reads the blocks' whitened spectra and a key weight."""
     statistic: str | None
-    probes: bool = False
+    units: Callable[[Budget], list[int]] | None = None
+    probe: Callable[..., dict] | None = None
+    spectra: bool = False
+
+    @property
+    def probes(self) -> bool:
+        return self.probe is not None
 
     @property
     def kind(self) -> str:
@@ -52,28 +77,28 @@ class Allocator:
         return "probed" if self.probes else "statistics" if self.statistic else "uniform"
 
 
-# The one table of allocators; a new one is a row here and its branch in `allocate` (or in
-# decompose/probe.py when it probes).
-ALLOCATORS = {
-    "uniform": Allocator(None),
-    "fisher": Allocator("fisher"),
-    "fisher_uniform": Allocator("fisher"),
-    "fisher_sqrt": Allocator("fisher"),
-    "fisher_rms": Allocator("rms_fisher"),
-    "error_aware": Allocator("output_fisher", probes=True),
-    "probe_select": Allocator("all", probes=True),
-    "error_aware_bytes": Allocator("output_fisher", probes=True),
-}
-RANK_METHODS = tuple(ALLOCATORS)
-# which Fisher statistic each method weighs blocks by (probe_select reads them all)
-FISHER_KEY = {name: a.statistic for name, a in ALLOCATORS.items() if a.statistic not in (None, "all")}
-PROBED = tuple(name for name, a in ALLOCATORS.items() if a.probes)
+# The one table of allocators: a new one is a module with its function(s) and
+# `register_allocator(name, Allocator(...))`, imported at the bottom of this file.
+ALLOCATORS: dict[str, Allocator] = {}
+
+
+def register_allocator(name: str, allocator: Allocator) -> Allocator:
+    if name in ALLOCATORS:
+        raise ValueError(f"rank allocator {name!r} is registered twice")
+    if allocator.units is None and allocator.probe is None:
+        raise ValueError(f"rank allocator {name!r} has neither units nor probe")
+    ALLOCATORS[name] = allocator
+    return allocator
+
+
+def get_allocator(name: str) -> Allocator:
+    if name not in ALLOCATORS:
+        raise ValueError(f"rank method {name!r} is not one of {tuple(ALLOCATORS)}")
+    return ALLOCATORS[name]
 
 
 def allocator_kind(name: str) -> str:
-    if name not in ALLOCATORS:
-        raise ValueError(f"rank method {name!r} is not one of {RANK_METHODS}")
-    return ALLOCATORS[name].kind
+    return get_allocator(name).kind
 
 
 @dataclass(frozen=True)
@@ -135,24 +160,23 @@ def water_fill(weights: list[float], caps: list[int], total: int, floor: int = 1
 def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "uniform",
              multiple: int = 8, fisher: torch.Tensor | None = None,
              spectra: dict | None = None, key_weight: float = 1.0) -> dict:
-    """Ranks for every slot; `fisher` is (layers, 2, kv_heads) importance for methods using it
-    (for `error_aware`: the output Fisher), `spectra` {Slot: sigma^2 descending} its error
-    profiles (`decompose.spectra.whitened_spectra`), `key_weight` the factor on the keys'
-    weights in `error_aware` (decompose/probe.py chooses it)."""
+    """Ranks for every slot from a statistics allocator (its `units`); `fisher` is
+    (layers, 2, kv_heads) importance for methods using it (for `error_aware`: the output Fisher),
+    `spectra` {Slot: sigma^2 descending} its error profiles (`decompose.spectra.whitened_spectra`),
+    `key_weight` the factor on the keys' weights in `error_aware` (decompose/probe.py chooses it)."""
     if not 0 < kept_ratio <= 1:
         raise ValueError(f"kept_ratio={kept_ratio} must lie in (0, 1]")
-    if method not in RANK_METHODS:
-        raise ValueError(f"rank method {method!r} is not one of {RANK_METHODS}")
-    if method == "probe_select":
-        raise ValueError("rank method 'probe_select' chooses among allocations by the model's probe "
-                         "loss: call palu.decompose.probe.probe_select (or palu.compress)")
-    if method == "error_aware_bytes":
-        raise ValueError("rank method 'error_aware_bytes' allocates (rank, bits) from errors measured "
-                         "on probe windows: call palu.decompose.bit_alloc.byte_allocation (or palu.compress)")
-    if method != "uniform" and fisher is None:
+    allocator = get_allocator(method)
+    if allocator.units is None:
+        raise ValueError(f"rank method {method!r} scores allocations with the model on probe windows: "
+                         "call palu.decompose.allocation.allocate_ranks (or palu.compress)")
+    if allocator.statistic is not None and fisher is None:
         raise ValueError(f"rank method {method!r} needs Fisher scores")
-    if method == "error_aware" and spectra is None:
-        raise ValueError("rank method 'error_aware' needs the blocks' whitened spectra")
+    if allocator.spectra:
+        if spectra is None:
+            raise ValueError(f"rank method {method!r} needs the blocks' whitened spectra")
+        if not (isinstance(key_weight, (int, float)) and math.isfinite(key_weight) and key_weight > 0):
+            raise ValueError(f"key_weight={key_weight!r} must be a positive number")
     block = group_size * geom.head_dim
     full = min(block, geom.hidden_size)
     if full % multiple:
@@ -166,23 +190,11 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         raise ValueError(f"kept_ratio={kept_ratio} leaves {budget_units * multiple} latent dims for "
                          f"{len(all_slots)} blocks: less than rank_multiple={multiple} each; "
                          "raise the kept ratio or lower rank_multiple")
-    if method == "uniform":
-        units = water_fill([1.0] * len(all_slots), [cap] * len(all_slots), budget_units)
-    elif method in ("fisher", "fisher_sqrt", "fisher_rms"):
-        power = 0.5 if method == "fisher_sqrt" else 1.0
-        units = water_fill([_slot_importance(fisher, s, group_size) ** power for s in all_slots],
-                           [cap] * len(all_slots), budget_units)
-    elif method == "error_aware":
-        if not (isinstance(key_weight, (int, float)) and math.isfinite(key_weight) and key_weight > 0):
-            raise ValueError(f"key_weight={key_weight!r} must be a positive number")
-        units = greedy_by_gain([_slot_importance(fisher, s, group_size) * (key_weight if s.kind == "k" else 1.0)
-                                for s in all_slots],
-                               [spectra[s] for s in all_slots], multiple, cap, budget_units)
-    else:
-        units = _fisher_per_matrix(fisher, all_slots, geom, group_size, cap, budget_units)
+    units = allocator.units(Budget(geom, all_slots, group_size, multiple, cap, budget_units, fisher,
+                                   spectra, key_weight))
     ranks = [u * multiple for u in units]
     total = sum(ranks)
-    extra = {"key_weight": float(key_weight)} if method == "error_aware" else {}
+    extra = {"key_weight": float(key_weight)} if allocator.spectra else {}
     return {
         **extra,
         "method": method, "kept_ratio_target": kept_ratio, "group_size": group_size,
@@ -191,6 +203,27 @@ def allocate(geom: Geometry, kept_ratio: float, group_size: int, method: str = "
         "ranks": [{"layer": s.layer, "kind": s.kind, "group": s.group, "rank": r, "full": full}
                   for s, r in zip(all_slots, ranks)],
     }
+
+
+def _uniform(b: Budget) -> list[int]:
+    return water_fill([1.0] * len(b.slots), [b.cap] * len(b.slots), b.total)
+
+
+def _proportional(power: float):
+    """Ranks proportional to each block's Fisher importance to `power` (1: fisher, fisher_rms)."""
+    def units(b: Budget) -> list[int]:
+        return water_fill([_slot_importance(b.fisher, s, b.group_size) ** power for s in b.slots],
+                          [b.cap] * len(b.slots), b.total)
+    return units
+
+
+def error_aware_units(b: Budget) -> list[int]:
+    return greedy_by_gain([_slot_importance(b.fisher, s, b.group_size) * (b.key_weight if s.kind == "k" else 1.0)
+                           for s in b.slots], [b.spectra[s] for s in b.slots], b.multiple, b.cap, b.total)
+
+
+def _fisher_uniform(b: Budget) -> list[int]:
+    return _fisher_per_matrix(b.fisher, b.slots, b.geom, b.group_size, b.cap, b.total)
 
 
 def greedy_by_gain(weights: list[float], spectra: list[torch.Tensor], multiple: int, cap: int,
@@ -282,3 +315,17 @@ def check_allocation(allocation: dict, geom: Geometry, where: str = "the rank al
     if abs(realised - allocation["kept_ratio_realised"]) > 1e-9:
         raise ValueError(f"{where}: its ranks keep {realised:.6f} of the K/V dimensions, but it "
                          f"records kept_ratio_realised {allocation['kept_ratio_realised']!r}")
+
+
+register_allocator("uniform", Allocator(None, units=_uniform))
+register_allocator("fisher", Allocator("fisher", units=_proportional(1.0)))
+register_allocator("fisher_uniform", Allocator("fisher", units=_fisher_uniform))
+register_allocator("fisher_sqrt", Allocator("fisher", units=_proportional(0.5)))
+register_allocator("fisher_rms", Allocator("rms_fisher", units=_proportional(1.0)))
+# error_aware, probe_select (decompose/probe.py), error_aware_bytes (decompose/bit_alloc.py)
+from . import probe, bit_alloc  # noqa: E402,F401  (registration)
+
+RANK_METHODS = tuple(ALLOCATORS)
+# which Fisher statistic each method weighs blocks by (probe_select reads them all)
+FISHER_KEY = {name: a.statistic for name, a in ALLOCATORS.items() if a.statistic not in (None, "all")}
+PROBED = tuple(name for name, a in ALLOCATORS.items() if a.probes)

@@ -5,7 +5,7 @@ A `Document` is one question over one long context. Its prompt is built from a t
 when too long (LongBench's rule: keep the first and last halves, since instructions and the
 question sit at the two ends), wrapped in the model's chat template when the task asks for it,
 prefilled into `method.make_cache(model)` and answered greedily through it
-(`longcontext.answer`). The answer is scored by the task's metric (`scorers`).
+(`generation.answer`). The answer is scored by the task's metric (`scorers`).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def evaluate_documents(model, tokenizer, method, docs: list[Document], max_lengt
                        log=None) -> dict:
     """Every document answered through the method's cache and scored; per-task means with 95%
     intervals (Wilson for 0/1 metrics, bootstrap otherwise)."""
-    from .longcontext import answer
+    from .generation import answer
     rows = []
     for i, d in enumerate(docs):
         ids, cut = prompt_ids(tokenizer, d, max_length)

@@ -14,10 +14,11 @@ structure; for numbers comparable with published LongBench scores pass the relea
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .documents import Document
+from .documents import Document, evaluate_documents
+from .suites import Suite, check_limit, check_positive, local_files_tag, register_suite
 
 _SINGLE = ("Answer the question as briefly as you can, using only the text below. If the text does "
            "not answer it, write \"unanswerable\".\n\n{context}\n\nQuestion: {input}\nAnswer:")
@@ -125,3 +126,35 @@ def load_longbench(folder: str | None, tasks, limit: int | None = None,
         if not any(d.task == name for d in docs):
             raise ValueError(f"{path} holds no samples")
     return docs
+
+
+@dataclass
+class LongBenchSettings:
+    dir: str | None = None              # <dir>/<task>.jsonl (the data release's data/ folder)
+    tasks: list[str] = field(default_factory=lambda: [
+        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
+        "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
+        "lcc", "repobench-p"])          # the paper's sixteen English tasks
+    limit: int | None = None            # first N samples per task (null: all)
+    max_length: int = 7500              # prompt tokens (the paper: 31500 on 32K models)
+    prompts: str | None = None          # LongBench's dataset2prompt.json for its exact prompts
+
+
+def check(s) -> None:
+    check_limit("longbench", s.limit)
+    check_positive("longbench", s, "max_length")
+
+
+def check_data(s) -> None:
+    load_longbench(s.dir, s.tasks, limit=1, prompts=s.prompts)
+
+
+def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+    docs = load_longbench(s.dir, s.tasks, s.limit, s.prompts)
+    return {"suite": "longbench", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+
+
+SUITE = register_suite(Suite("longbench", LongBenchSettings, run,
+                             lambda s, dtype: local_files_tag("longbench", s, dtype),
+                             longest_prompt=lambda s: s.max_length, check=check,
+                             check_data=check_data))

@@ -13,14 +13,24 @@ import gzip
 import importlib.util
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
-from .documents import Document
+from .documents import Document, evaluate_documents
+from .suites import Suite, check_limit, check_positive, register_suite
 
 TEMPLATE = ("Read the scientific paper below and answer the question about it with a single "
             "word, yes or no.\n\nPaper:\n{context}\n\nQuestion: {question}\n"
             "Answer with yes or no.")
 _FILE = "oe_eval_tasks/qasper_yesno/rc_5shot/requests.jsonl.gz"
+
+
+@dataclass
+class QasperSettings:
+    limit: int | None = 20              # a balanced subset (half yes, half no); null: all 319
+    max_length: int = 2048              # prompt tokens; longer papers lose their middle
+    max_new_tokens: int = 8
+    seed: int = 0
 
 
 def data_file() -> Path:
@@ -71,3 +81,22 @@ def load_qasper(limit: int | None = None, seed: int = 0, max_new_tokens: int = 8
         docs = pairs[:limit]
     return [Document("qasper_yesno", d["question_id"][:12], TEMPLATE, paper_text(d), [d["answer"]],
                      "yes_no", max_new_tokens, fields={"question": d["question"]}) for d in docs]
+
+
+def check(s) -> None:
+    check_limit("qasper", s.limit)
+    check_positive("qasper", s, "max_length", "max_new_tokens")
+
+
+def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+    docs = load_qasper(s.limit, s.seed, s.max_new_tokens)
+    return {"suite": "qasper", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+
+
+def tag(s, dtype: str) -> str:
+    limit = "all" if s.limit is None else s.limit
+    return f"qasper-n{limit}-L{s.max_length}-s{s.seed}-{dtype}"
+
+
+SUITE = register_suite(Suite("qasper", QasperSettings, run, tag, longest_prompt=lambda s: s.max_length,
+                             check=check))

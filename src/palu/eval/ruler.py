@@ -9,15 +9,26 @@ instead (the same NIAH family, built here over the novels).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .documents import Document
+from .documents import Document, evaluate_documents
+from .suites import Suite, check_limit, check_positive, local_files_tag, register_suite
 
 # answer lengths RULER generates with
 TASKS = {**{f"niah_single_{i}": 128 for i in (1, 2, 3)},
          **{f"niah_multikey_{i}": 128 for i in (1, 2, 3)},
          "niah_multivalue": 128, "niah_multiquery": 128, "vt": 30, "cwe": 120, "fwe": 50,
          "qa_1": 32, "qa_2": 32}
+
+
+@dataclass
+class RulerSettings:
+    dir: str | None = None              # <dir>/<task>/validation.jsonl
+    tasks: list[str] = field(default_factory=lambda: ["niah_single_1", "niah_multikey_1",
+                                                      "niah_multivalue", "vt", "cwe", "qa_1"])
+    limit: int | None = None            # first N samples per task (null: all)
+    max_length: int = 8192
 
 
 def load_ruler(folder: str | None, tasks, limit: int | None = None) -> list[Document]:
@@ -49,3 +60,22 @@ def load_ruler(folder: str | None, tasks, limit: int | None = None) -> list[Docu
                                  [str(o) for o in row["outputs"]], metric, TASKS[name],
                                  chat=False, truncate=False))
     return docs
+
+
+def check(s) -> None:
+    check_limit("ruler", s.limit)
+    check_positive("ruler", s, "max_length")
+
+
+def check_data(s) -> None:
+    load_ruler(s.dir, s.tasks, limit=1)
+
+
+def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+    docs = load_ruler(s.dir, s.tasks, s.limit)
+    return {"suite": "ruler", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+
+
+SUITE = register_suite(Suite("ruler", RulerSettings, run, lambda s, dtype: local_files_tag("ruler", s, dtype),
+                             longest_prompt=lambda s: s.max_length, check=check,
+                             check_data=check_data))

@@ -1,74 +1,85 @@
-"""The long-context suites a `longcontext` step runs (`longcontext.suite`), one result file each:
+"""The long-context suites, one registration each (name -> settings, checks, runner, result tag).
 
-- `needles`: RULER-style needle retrieval built here over the novels (`longcontext`), embedded.
+A suite is one module that defines its settings dataclass (the single home of its defaults) and
+calls `register_suite`. The pipeline's `longcontext.<name>` group is that dataclass; a run picks
+one (`longcontext.suite=<name>`) and writes one result file named by the suite's `tag`.
+
+- `needles`: RULER-style needle retrieval built here over the novels (`needles`), embedded.
 - `qasper`: yes/no questions over the embedded full papers (`qasper`).
 - `longbench`: THUDM LongBench from local files (`longbench`), for users who have them.
 - `ruler`: RULER's own prepared files (`ruler`), for users who have them.
 
-Every answer is generated through the method's cache after the prompt is prefilled into it.
+Every answer is generated through the method's cache after the prompt is prefilled into it
+(`generation.answer`). Adding a suite: a module with its settings and `register_suite(Suite(...))`,
+and its import at the bottom of this file.
 """
 from __future__ import annotations
 
-SUITES = ("needles", "qasper", "longbench", "ruler")
+import hashlib
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Callable
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    settings: type                                   # dataclass: every setting and its default
+    # (model, tokenizer, method, settings, max_positions, log) -> {"samples", "tasks", ...};
+    # "tasks" maps task -> {"n", "score", "lo", "hi", "metric"}
+    run: Callable[..., dict]
+    tag: Callable[[Any, str], str]                   # (settings, dtype) -> result file name
+    longest_prompt: Callable[[Any], int]             # prompt + answer tokens, checked vs the model
+    # errors before any model is loaded: `check` the settings' ranges (every suite's, on every run),
+    # `check_data` the data the suite reads (only when it runs: missing files, unknown tasks)
+    check: Callable[[Any], None] = lambda s: None
+    check_data: Callable[[Any], None] = lambda s: None
+
+SUITES: dict[str, Suite] = {}
+
+def register_suite(suite: Suite) -> Suite:
+    if suite.name in SUITES:
+        raise ValueError(f"long-context suite {suite.name!r} is registered twice")
+    if not is_dataclass(suite.settings):
+        raise TypeError(f"suite {suite.name!r}: settings must be a dataclass")
+    SUITES[suite.name] = suite
+    return suite
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise ValueError(f"longcontext.suite={name!r} is not one of {list(SUITES)}")
+    return SUITES[name]
+
+def settings_of(name: str, given) -> Any:
+    """The suite's settings dataclass from a mapping (a dict or a config node); unknown keys named."""
+    suite = get_suite(name)
+    given = dict(given)
+    known = {f.name for f in fields(suite.settings)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"longcontext.{name} has no settings {unknown}; known: {sorted(known)}")
+    return suite.settings(**given)
+
+def check_limit(name: str, limit: int | None) -> None:
+    if limit is not None and limit <= 0:
+        raise ValueError(f"longcontext.{name}.limit={limit} must be positive or null")
 
 
-def check_suite(lc) -> None:
-    """Settings errors before any model is loaded (unknown names, bad counts, missing files)."""
-    from .longcontext import KINDS
-    if lc.suite not in SUITES:
-        raise ValueError(f"longcontext.suite={lc.suite!r} is not one of {list(SUITES)}")
-    n = lc.needles
-    if not n.kinds or any(k not in KINDS for k in n.kinds):
-        raise ValueError(f"longcontext.needles.kinds={list(n.kinds)} must be from {list(KINDS)}")
-    if not n.lengths or any(x <= 0 for x in n.lengths):
-        raise ValueError(f"longcontext.needles.lengths={list(n.lengths)} must be positive token counts")
-    if not n.depths or any(not 0.0 <= d <= 1.0 for d in n.depths):
-        raise ValueError(f"longcontext.needles.depths={list(n.depths)} must lie in [0, 1]")
-    for part in ("qasper", "longbench", "ruler"):
-        limit = lc[part].limit
-        if limit is not None and limit <= 0:
-            raise ValueError(f"longcontext.{part}.limit={limit} must be positive or null")
-    if lc.suite == "longbench":
-        from .longbench import load_longbench
-        load_longbench(lc.longbench.dir, lc.longbench.tasks, limit=1, prompts=lc.longbench.prompts)
-    if lc.suite == "ruler":
-        from .ruler import load_ruler
-        load_ruler(lc.ruler.dir, lc.ruler.tasks, limit=1)
+def check_positive(name: str, settings, *keys: str) -> None:
+    for key in keys:
+        value = getattr(settings, key)
+        if value is None or value <= 0:
+            raise ValueError(f"longcontext.{name}.{key}={value!r} must be a positive integer")
 
+def short_hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:8]
 
-def longest_prompt(lc) -> int:
-    """The most prompt tokens the suite may prefill (checked against the model's context)."""
-    if lc.suite == "needles":
-        return max(lc.needles.lengths) + lc.needles.max_new_tokens
-    return lc[lc.suite].max_length
+def local_files_tag(name: str, s, dtype: str) -> str:
+    """The tag of a suite read from a user's folder: its tasks, limit and length, and the folder
+    (and prompt file) by a hash of their path."""
+    tasks = "+".join(s.tasks)
+    tasks = tasks if len(tasks) <= 60 else f"{len(s.tasks)}tasks-{short_hash(tasks)}"
+    prompts = "" if not getattr(s, "prompts", None) else f"-p{short_hash(str(s.prompts))}"
+    limit = "all" if s.limit is None else s.limit
+    return f"{name}-{tasks}-n{limit}-L{s.max_length}-d{short_hash(str(s.dir))}{prompts}-{dtype}"
 
-
-def documents(lc) -> list:
-    if lc.suite == "qasper":
-        from .qasper import load_qasper
-        return load_qasper(lc.qasper.limit, lc.qasper.seed, lc.qasper.max_new_tokens)
-    if lc.suite == "longbench":
-        from .longbench import load_longbench
-        b = lc.longbench
-        return load_longbench(b.dir, b.tasks, b.limit, b.prompts)
-    if lc.suite == "ruler":
-        from .ruler import load_ruler
-        return load_ruler(lc.ruler.dir, lc.ruler.tasks, lc.ruler.limit)
-    raise ValueError(f"suite {lc.suite!r} has no document loader")
-
-
-def run_suite(model, tokenizer, method, lc, filler: str | None = None, max_positions=None,
-              log=None) -> dict:
-    """The suite's result: its samples with answers and scores, and per-task summaries."""
-    if lc.suite == "needles":
-        from .longcontext import evaluate_needles, make_samples
-        n = lc.needles
-        samples = make_samples(tokenizer, filler, list(n.kinds), list(n.lengths), list(n.depths),
-                               n.per_cell, n.seed, max_positions=max_positions)
-        r = evaluate_needles(model, tokenizer, method, samples, n.max_new_tokens, log=log)
-        task = {"n": r["n"], "score": r["accuracy"], "lo": r["accuracy_lo"], "hi": r["accuracy_hi"],
-                "metric": "needle"}
-        return {"suite": "needles", **r, "tasks": {"needles": task}}
-    from .documents import evaluate_documents
-    result = evaluate_documents(model, tokenizer, method, documents(lc), lc[lc.suite].max_length, log=log)
-    return {"suite": lc.suite, **result}
+# registration: each module registers its suite on import
+from . import needles, qasper, longbench, ruler  # noqa: E402,F401

@@ -108,57 +108,17 @@ class ZeroshotConfig:
     seed: int = 0
 
 
-@dataclass
-class NeedlesConfig:
-    # RULER-style needle retrieval over real filler text (palu.eval.longcontext.KINDS)
-    kinds: List[str] = field(default_factory=lambda: ["single"])
-    lengths: List[int] = field(default_factory=lambda: [1024, 2048])
-    depths: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
-    per_cell: int = 1                   # samples per kind x length x depth
-    corpus: str = "novels_standin"      # the filler text (its evaluation part)
-    max_new_tokens: int = 24
-    seed: int = 0
+def _longcontext_schema() -> type:
+    """`longcontext`: the suite a run picks and one settings group per registered suite (its
+    dataclass in palu.eval.<suite>, the one home of its defaults)."""
+    from dataclasses import make_dataclass
+
+    from palu.eval.suites import SUITES
+    return make_dataclass("LongContextConfig", [("suite", str, "needles")] + [
+        (name, suite.settings, field(default_factory=suite.settings)) for name, suite in SUITES.items()])
 
 
-@dataclass
-class QasperConfig:
-    # yes/no questions over the embedded full papers (palu.eval.qasper)
-    limit: Optional[int] = 20           # a balanced subset (half yes, half no); null: all 319
-    max_length: int = 2048              # prompt tokens; longer papers lose their middle
-    max_new_tokens: int = 8
-    seed: int = 0
-
-
-@dataclass
-class LongBenchConfig:
-    # THUDM LongBench from local files (palu.eval.longbench): <dir>/<task>.jsonl
-    dir: Optional[str] = None
-    tasks: List[str] = field(default_factory=lambda: [
-        "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report",
-        "qmsum", "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en",
-        "lcc", "repobench-p"])          # the paper's sixteen English tasks
-    limit: Optional[int] = None         # first N samples per task (null: all)
-    max_length: int = 7500              # prompt tokens (the paper: 31500 on 32K models)
-    prompts: Optional[str] = None       # LongBench's dataset2prompt.json for its exact prompts
-
-
-@dataclass
-class RulerConfig:
-    # RULER's prepared files (palu.eval.ruler): <dir>/<task>/validation.jsonl
-    dir: Optional[str] = None
-    tasks: List[str] = field(default_factory=lambda: ["niah_single_1", "niah_multikey_1",
-                                                      "niah_multivalue", "vt", "cwe", "qa_1"])
-    limit: Optional[int] = None
-    max_length: int = 8192
-
-
-@dataclass
-class LongContextConfig:
-    suite: str = "needles"              # needles | qasper | longbench | ruler (palu.eval.suites)
-    needles: NeedlesConfig = field(default_factory=NeedlesConfig)
-    qasper: QasperConfig = field(default_factory=QasperConfig)
-    longbench: LongBenchConfig = field(default_factory=LongBenchConfig)
-    ruler: RulerConfig = field(default_factory=RulerConfig)
+LongContextConfig = _longcontext_schema()
 
 
 @dataclass
@@ -219,10 +179,7 @@ _CHOICES = {
 _POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
              "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
-             "kvquant.tokens_per_window", "longcontext.needles.per_cell",
-             "longcontext.needles.max_new_tokens", "longcontext.qasper.max_length",
-             "longcontext.qasper.max_new_tokens", "longcontext.longbench.max_length",
-             "longcontext.ruler.max_length", "recovery.rank", "recovery.steps", "recovery.samples",
+             "kvquant.tokens_per_window", "recovery.rank", "recovery.steps", "recovery.samples",
              "recovery.seqlen")
 
 
@@ -303,14 +260,26 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         check_request(list(z.tasks), z.limit, z.source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    from palu.eval.suites import check_suite
+    from palu.eval.suites import SUITES, get_suite, settings_of
     try:
-        check_suite(merged.longcontext)
+        for name, suite in SUITES.items():
+            suite.check(settings_of(name, OmegaConf.to_container(merged.longcontext[name], resolve=True)))
+        get_suite(merged.longcontext.suite).check_data(suite_settings(merged))
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(str(err)) from None
     method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def suite_settings(cfg: DictConfig):
+    """The settings dataclass of the long-context suite the config picks (`longcontext.suite`)."""
+    from palu.eval.suites import settings_of
+    lc = cfg.longcontext
+    try:
+        return settings_of(lc.suite, OmegaConf.to_container(lc[lc.suite], resolve=True))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def method_of(cfg: DictConfig):

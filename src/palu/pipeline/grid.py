@@ -7,7 +7,6 @@ was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +17,10 @@ from omegaconf import OmegaConf
 from palu.calib.fisher import FisherWindows
 from palu.decompose.checkpoint import rotation_tag
 from palu.decompose.lineage import palu_lineage
+from palu.eval.suites import SUITES
 from palu.pipeline import naming
 from palu.pipeline.config import (CONF_DIR, CalibrationConfig, DataConfig, KVQuantConfig,
-                                  LongContextConfig, RecoveryConfig, ZeroshotConfig)
+                                  RecoveryConfig, ZeroshotConfig)
 from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
@@ -240,20 +240,19 @@ class Grid:
         return self._suite_runs("longcontext")
 
     def longcontext_suites(self) -> dict[str, dict]:
-        """Each suite of the grid's `longcontext.suites` with its settings over the suite's schema
-        (config.LongContextConfig: one dataclass per suite)."""
+        """Each suite of the grid's `longcontext.suites` with its settings over the suite's
+        settings dataclass (registered in palu.eval.suites)."""
         suites = (self.config.get("longcontext") or {}).get("suites") or {}
-        schemas = {f.name: type(getattr(LongContextConfig(), f.name))
-                   for f in dataclasses.fields(LongContextConfig) if f.name != "suite"}
-        unknown = [s for s in suites if s not in schemas]
+        unknown = [s for s in suites if s not in SUITES]
         if unknown:
-            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(schemas)}")
-        return {name: settings_of(schemas[name], given, f"longcontext.suites.{name}")
+            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(SUITES)}")
+        return {name: settings_of(SUITES[name].settings, given, f"longcontext.suites.{name}")
                 for name, given in suites.items()}
 
     def longcontext_tags(self) -> dict[str, str]:
-        """Result-file tag -> suite name, for every suite of the grid."""
-        return {naming.suite_tag(name, s, self.dtype): name for name, s in self.longcontext_suites().items()}
+        """Result-file tag -> suite name, for every suite of the grid (each suite's own tag)."""
+        return {SUITES[name].tag(SUITES[name].settings(**s), self.dtype): name
+                for name, s in self.longcontext_suites().items()}
 
     def longcontext_pattern(self) -> str:
         """The longcontext rule's output, with {run} and {suite} (a suite's tag) wildcards."""

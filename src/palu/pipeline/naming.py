@@ -207,45 +207,16 @@ def zeroshot_path_of(cfg, method) -> Path:
                          run_name(method.tag, method.lineage()), z.source, z.limit, cfg.model.dtype)
 
 
-def longcontext_tag(kinds, lengths, depths, per_cell: int, corpus: str, seed: int, dtype: str) -> str:
-    """Every setting that changes a needle score (the grid of kinds x lengths x depths)."""
-    return (f"needles-{'+'.join(kinds)}-L{'+'.join(str(int(x)) for x in lengths)}"
-            f"-d{'+'.join(f'{float(d):g}' for d in depths)}-n{per_cell}-{corpus}-s{seed}-{dtype}")
-
-
 def longcontext_path(results: str, model: str, run: str, tag: str) -> Path:
     """results/longcontext/<model>/<run>/<longcontext tag>.json (step longcontext)."""
     return Path(results) / "longcontext" / model / run / f"{tag}.json"
 
 
-def _short_hash(text: str) -> str:
-    import hashlib
-    return hashlib.sha1(text.encode()).hexdigest()[:8]
-
-
-def suite_tag(suite: str, settings: dict, dtype: str) -> str:
-    """A long-context suite's result name: every setting that changes a score. `settings` holds
-    that suite's `longcontext.<suite>` fields; local data folders enter by a hash of their path."""
-    s = settings
-    if suite == "needles":
-        return longcontext_tag(s["kinds"], s["lengths"], s["depths"], s["per_cell"], s["corpus"],
-                               s["seed"], dtype)
-    limit = "all" if s.get("limit") is None else s["limit"]
-    if suite == "qasper":
-        return f"qasper-n{limit}-L{s['max_length']}-s{s['seed']}-{dtype}"
-    if suite in ("longbench", "ruler"):
-        tasks = "+".join(s["tasks"])
-        tasks = tasks if len(tasks) <= 60 else f"{len(s['tasks'])}tasks-{_short_hash(tasks)}"
-        prompts = "" if not s.get("prompts") else f"-p{_short_hash(str(s['prompts']))}"
-        return (f"{suite}-{tasks}-n{limit}-L{s['max_length']}-d{_short_hash(str(s['dir']))}"
-                f"{prompts}-{dtype}")
-    raise ValueError(f"long-context suite {suite!r} unknown")
-
-
 def longcontext_tag_of(cfg) -> str:
-    from omegaconf import OmegaConf
-    lc = cfg.longcontext
-    return suite_tag(lc.suite, OmegaConf.to_container(lc[lc.suite], resolve=True), cfg.model.dtype)
+    """The result name of the suite the config picks: the suite's own tag of its settings."""
+    from palu.eval.suites import get_suite
+    from palu.pipeline.config import suite_settings
+    return get_suite(cfg.longcontext.suite).tag(suite_settings(cfg), cfg.model.dtype)
 
 
 def longcontext_path_of(cfg, method) -> Path:

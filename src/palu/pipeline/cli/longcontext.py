@@ -1,11 +1,11 @@
 """Step `longcontext`: decode-time long-context evaluation through a method's cache, one suite a
-run (`longcontext.suite`: needles | qasper | longbench | ruler; settings `longcontext.<suite>.*`).
+run (`longcontext.suite`, a name registered in palu.eval.suites; settings `longcontext.<suite>.*`).
 Every prompt is prefilled into `method.make_cache(model)` and the answer generated through it.
 Writes one JSON with each sample's answer and score and the per-task summaries (collect's
 longcontext table and needle heatmap read it)."""
 from __future__ import annotations
 
-from palu.pipeline.config import method_of
+from palu.pipeline.config import method_of, suite_settings
 from palu.io import write_json
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
@@ -19,26 +19,24 @@ def _max_positions(path: str) -> int | None:
 
 
 def run(cfg) -> dict:
-    from palu.eval.suites import longest_prompt, run_suite
-    lc = cfg.longcontext
+    from palu.eval.suites import get_suite
+    name = cfg.longcontext.suite
+    suite, settings = get_suite(name), suite_settings(cfg)
     method = method_of(cfg)
     out = cfg.out or str(naming.longcontext_path_of(cfg, method))
     path = model_path(cfg)
     limit = _max_positions(path)
-    if limit is not None and longest_prompt(lc) > limit:
-        raise ValueError(f"longcontext.{lc.suite}: prompts of up to {longest_prompt(lc)} tokens (with "
+    longest = suite.longest_prompt(settings)
+    if limit is not None and longest > limit:
+        raise ValueError(f"longcontext.{name}: prompts of up to {longest} tokens (with "
                          f"the answer) exceed the model's maximum context ({limit} positions)")
-    filler = None
-    if lc.suite == "needles":
-        from palu.data.corpora import load_corpus
-        filler = load_corpus(lc.needles.corpus).evaluation_text
     with tracked(cfg, "longcontext", out, used={**model_input(cfg), **method.inputs()}) as wb:
         model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
-        result = run_suite(model, tok, method, lc, filler, max_positions=limit,
+        result = suite.run(model, tok, method, settings, max_positions=limit,
                            log=log.info if cfg.progress else None)
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
-                   "suite": lc.suite, "run": naming.run_name(method.tag, method.lineage()),
+                   "suite": name, "run": naming.run_name(method.tag, method.lineage()),
                    **method.summary()}
         write_json(out, record(cfg, "longcontext", longcontext=result, summary=summary, method=method.record()))
         wb.metrics({f"{task}/{k}": v[k] for task, v in result["tasks"].items() for k in ("score", "n")})

@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 from palu.calib.stats_file import check_model, load_stats
-from palu.decompose.ranks import FISHER_KEY, PROBED, allocate
+from palu.decompose.allocation import allocate_ranks, check_statistics
+from palu.decompose.ranks import get_allocator
 from palu.io import seal, write_json
 from palu.models.adapters import config_fingerprint, geometry_of
 from palu.models.loading import load_config
 from palu.pipeline import naming
 from palu.pipeline.cli.common import calibration_windows_of, entry_point, log, model_path, tracked
+
+
+_AGAIN = "run `python -m palu.pipeline.cli.fisher` again"
 
 
 def run(cfg) -> dict:
@@ -18,9 +22,11 @@ def run(cfg) -> dict:
     geom.check_group_size(p.group_size)
     from palu.decompose.heads import check_head_order
     check_head_order(p.head_order, geom, p.group_size)
-    reorder = p.head_order != "none" and p.rank_method != "uniform"
-    stats, fisher, used = None, None, {}
-    if p.rank_method != "uniform":
+    allocator = get_allocator(p.rank_method)
+    reorder = p.head_order != "none" and allocator.statistic is not None
+    needs_model = allocator.probes or reorder
+    stats, used = None, {}
+    if allocator.statistic is not None:
         path = naming.fisher_path_of(cfg)
         if not path.is_file():
             raise FileNotFoundError(f"rank method {p.rank_method!r} needs Fisher scores at {path}; "
@@ -28,13 +34,9 @@ def run(cfg) -> dict:
         used["fisher"] = str(path)
         stats, meta = load_stats(path, "Fisher scores")
         check_model(meta, config, what=f"the Fisher scores {path}")
+        check_statistics(p.rank_method, stats, str(path), _AGAIN)
         made_from = meta["model"]
-        keys = sorted(set(FISHER_KEY.values())) if p.rank_method == "probe_select" else [FISHER_KEY[p.rank_method]]
-        missing = [k for k in keys if k not in stats]
-        if missing:
-            raise ValueError(f"{path} has no {missing} (written before {p.rank_method} existed): run "
-                             "`python -m palu.pipeline.cli.fisher` again")
-    if p.rank_method in PROBED or reorder:
+    if needs_model:
         gram = naming.gram_path_of(cfg)
         if not gram.is_file():
             raise FileNotFoundError(f"rank method {p.rank_method!r} needs the calibration Gram at {gram}; "
@@ -42,7 +44,8 @@ def run(cfg) -> dict:
         used["gram"] = str(gram)
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
-        if p.rank_method in PROBED or reorder:
+        model = grams = windows = None
+        if needs_model:
             from palu.models.loading import load_model
             model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
             tensors, meta = load_stats(used["gram"], "calibration Gram")
@@ -54,19 +57,16 @@ def run(cfg) -> dict:
             reorder_heads(model, orders)
             stats = permute_statistics(stats, orders)
             log.info("head order (similarity): %s", orders)
-        if stats is not None:
-            fisher = stats if p.rank_method == "probe_select" else stats[FISHER_KEY[p.rank_method]]
-        if p.rank_method in PROBED:
-            from palu.decompose.probe import PROBE_WINDOWS, allocate_probed
-            from palu.decompose.spectra import whitened_svds
+        if allocator.probes:
+            from palu.decompose.probe import PROBE_WINDOWS
             # the probe scores the first Fisher windows: text the Gram never saw
             f = cfg.fisher
             windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
-            allocation = allocate_probed(model, whitened_svds(model, grams, p.group_size), fisher,
-                                         p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, windows)
+        allocation = allocate_ranks(p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, geom,
+                                    stats=stats, model=model, grams=grams, probe_windows=windows,
+                                    source=str(used.get("fisher")), advice=_AGAIN)
+        if allocator.probes:
             _log_probe(allocation)
-        else:
-            allocation = allocate(geom, p.kept_ratio, p.group_size, p.rank_method, p.rank_multiple, fisher)
         # sealed, and naming its model: decompose refuses an edited file or another model's
         write_json(out, seal({**allocation, "model": made_from}))
         wb.metrics({"kept_ratio_realised": allocation["kept_ratio_realised"],

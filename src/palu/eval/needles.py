@@ -15,15 +15,26 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-import torch
-
+from .generation import answer
 from .stats import wilson_interval
+from .suites import Suite, check_positive, register_suite
 
 KINDS = ("passkey", "single", "multikey", "multivalue")
 _WORDS = ("amber", "falcon", "harbor", "lantern", "meadow", "quartz", "saffron", "tundra", "violet",
           "willow", "copper", "ember", "glacier", "juniper", "marble", "orchid")
+
+
+@dataclass
+class NeedlesSettings:
+    kinds: list[str] = field(default_factory=lambda: ["single"])     # from KINDS
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])  # prompt tokens
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
+    per_cell: int = 1                   # samples per kind x length x depth
+    corpus: str = "novels_standin"      # the filler text (its evaluation part)
+    max_new_tokens: int = 24
+    seed: int = 0
 
 
 @dataclass
@@ -115,18 +126,6 @@ def score(text: str, answers: list[str]) -> float:
     return sum(a in found for a in answers) / len(answers)
 
 
-@torch.no_grad()
-def answer(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int = 24) -> str:
-    """Greedy answer generated through the method's cache (None: the plain model)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    kwargs = {} if method is None else {"past_key_values": method.make_cache(model)}
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=
-                         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                         **kwargs)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
 def evaluate_needles(model, tokenizer, method, samples: list[Sample], max_new_tokens: int = 24,
                      log=None) -> dict:
     rows = []
@@ -142,3 +141,34 @@ def evaluate_needles(model, tokenizer, method, samples: list[Sample], max_new_to
     mean = sum(r["score"] for r in rows) / n
     lo, hi = wilson_interval(int(round(sum(r["score"] for r in rows))), n)
     return {"samples": rows, "n": n, "accuracy": mean, "accuracy_lo": lo, "accuracy_hi": hi}
+
+
+def check(s) -> None:
+    check_positive("needles", s, "per_cell", "max_new_tokens")
+    if not s.kinds or any(k not in KINDS for k in s.kinds):
+        raise ValueError(f"longcontext.needles.kinds={list(s.kinds)} must be from {list(KINDS)}")
+    if not s.lengths or any(x <= 0 for x in s.lengths):
+        raise ValueError(f"longcontext.needles.lengths={list(s.lengths)} must be positive token counts")
+    if not s.depths or any(not 0.0 <= d <= 1.0 for d in s.depths):
+        raise ValueError(f"longcontext.needles.depths={list(s.depths)} must lie in [0, 1]")
+
+
+def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+    from palu.data.corpora import load_corpus
+    filler = load_corpus(s.corpus).evaluation_text
+    samples = make_samples(tokenizer, filler, list(s.kinds), list(s.lengths), list(s.depths),
+                           s.per_cell, s.seed, max_positions=max_positions)
+    r = evaluate_needles(model, tokenizer, method, samples, s.max_new_tokens, log=log)
+    task = {"n": r["n"], "score": r["accuracy"], "lo": r["accuracy_lo"], "hi": r["accuracy_hi"],
+            "metric": "needle"}
+    return {"suite": "needles", **r, "tasks": {"needles": task}}
+
+
+def tag(s, dtype: str) -> str:
+    """Every setting that changes a needle score (the grid of kinds x lengths x depths)."""
+    return (f"needles-{'+'.join(s.kinds)}-L{'+'.join(str(int(x)) for x in s.lengths)}"
+            f"-d{'+'.join(f'{float(d):g}' for d in s.depths)}-n{s.per_cell}-{s.corpus}-s{s.seed}-{dtype}")
+
+
+SUITE = register_suite(Suite("needles", NeedlesSettings, run, tag,
+                             longest_prompt=lambda s: max(s.lengths) + s.max_new_tokens, check=check))
