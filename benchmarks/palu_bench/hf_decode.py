@@ -81,7 +81,7 @@ def random_factors(shape: DecoderShape, spec: PaluSpec, device, seed: int = 0) -
 CACHES = ("static", "dynamic")
 
 
-def new_cache(model, bits: int | None, palu: bool, kind: str = "static", max_tokens: int = 0,
+def new_cache(model, bits: int, palu: bool, kind: str = "static", max_tokens: int = 0,
               graph: bool = False, batch: int = 1):
     """LatentCache for a Palu model (GraphLatentCache of `max_tokens` slots with `graph`); else
     transformers' StaticCache (room for `max_tokens`) or DynamicCache."""
@@ -166,7 +166,7 @@ def time_steps(model, cache, batch: int, steps: int, warmup: int = 3, context: i
 
 
 @torch.no_grad()
-def check(model, bits: int | None, context: int, batch: int, graph: bool = False) -> dict:
+def check(model, bits: int, context: int, batch: int, graph: bool = False) -> dict:
     """One decode step through the kernels and through the torch path, same cache contents.
     With `graph` the kernels' step is a captured CUDA graph over a GraphLatentCache (reading a
     bucket of slots masked by length), the torch path an eager step over the same cache kind."""
@@ -195,7 +195,7 @@ def check(model, bits: int | None, context: int, batch: int, graph: bool = False
         set_backend(model, "auto")
     ref = logits["torch"]
     err = ((logits["triton"] - ref).norm() / ref.norm()).item()
-    return {"bits": bits or 16, "context": context, "graph": graph, "rel_err": err,
+    return {"bits": bits, "context": context, "graph": graph, "rel_err": err,
             "kernel_layers": len(set(calls))}
 
 
@@ -271,7 +271,7 @@ def run_hf(cfg: dict, log=print) -> dict:
             install_palu(model, random_factors(shape, spec, "cuda"), spec.group_size)
             installed = (spec.group_size, spec.rank_k, spec.rank_v)
             weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        bits = None if spec is None or spec.bits == 16 else spec.bits
+        bits = 16 if spec is None else spec.bits
         if spec is not None and hf.get("check_context"):
             c = {"variant": name, **check(model, bits, hf["check_context"], batch, graphs[name])}
             log(f"hf check {name}: kernels vs torch path, rel err {c['rel_err']:.2e} "

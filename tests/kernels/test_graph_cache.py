@@ -38,7 +38,7 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("bits", [None, 4, 2])
+@pytest.mark.parametrize("bits", [16, 4, 2])
 @pytest.mark.parametrize("family", ["llama", "opt"])
 def test_graph_cache_computes_what_the_latent_cache_does(family, bits):
     model = _compressed(tiny_llama() if family == "llama" else tiny_opt())
@@ -49,8 +49,8 @@ def test_graph_cache_computes_what_the_latent_cache_does(family, bits):
     out = _steps(model, cache, ids, tokens)
     assert _rel(out, ref) < 1e-5          # same latents (same quantised bytes), same attention
     assert cache.seen == 13 and cache.lengths.tolist() == [13, 13]
-    per = 1 if bits is None else 8 // bits
-    assert isinstance(cache.layers[0].keys, QuantLatent) == (bits is not None)
+    per = 1 if bits == 16 else 8 // bits
+    assert isinstance(cache.layers[0].keys, QuantLatent) == (bits != 16)
     rk = sum(model.model.layers[0].self_attn.ranks_k) // per if family == "llama" else None
     if rk:   # the slots: every layer's keys and values for max_tokens tokens, preallocated
         stored = cache.layers[0].keys.data if bits else cache.layers[0].keys
@@ -79,7 +79,7 @@ def _poison_unused_slots(cache, start):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("bits", [16, 4])
 def test_a_step_over_more_slots_than_tokens_masks_by_the_cache_lengths(backend, bits, monkeypatch):
     # What a captured graph runs: the kernels (or the torch path) read a whole bucket of slots,
     # most of them past the tokens, and must mask by the device-side lengths.
@@ -126,7 +126,7 @@ class EagerDecoder(GraphDecoder):
         return replay
 
 
-@pytest.mark.parametrize("family, bits", [("llama", None), ("llama", 4), ("qwen2", 4), ("opt", None)])
+@pytest.mark.parametrize("family, bits", [("llama", 16), ("llama", 4), ("qwen2", 4), ("opt", 16)])
 def test_graph_decoder_generates_what_transformers_generates(family, bits):
     model = _compressed({"llama": tiny_llama, "qwen2": tiny_qwen2, "opt": tiny_opt}[family]())
     set_backend(model, "torch")
@@ -236,9 +236,9 @@ def _gpu_model(family, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: runs on a GPU")
-@pytest.mark.parametrize("family, dtype, bits", [("llama", torch.float16, None), ("llama", torch.float16, 4),
+@pytest.mark.parametrize("family, dtype, bits", [("llama", torch.float16, 16), ("llama", torch.float16, 4),
                                                  ("llama", torch.bfloat16, 2), ("qwen2", torch.float16, 4),
-                                                 ("opt", torch.float16, None), ("opt", torch.float16, 4)])
+                                                 ("opt", torch.float16, 16), ("opt", torch.float16, 4)])
 def test_captured_steps_replay_what_eager_steps_compute(family, dtype, bits):
     model = _gpu_model(family, dtype)
     ids = torch.randint(0, 97, (2, 300), device="cuda")

@@ -80,11 +80,11 @@ def test_static_and_dynamic_caches_hold_the_same_filled_tokens():
     assert torch.allclose(logits[0], logits[1], rtol=1e-2, atol=1e-3)
 
 
-@pytest.mark.parametrize("bits", [None, 4])
+@pytest.mark.parametrize("bits", [16, 4])
 def test_kernel_check_runs_every_layer_through_the_kernels(bits):
     shape = DecoderShape(**SHAPE)
     model = hf_llama(shape, "cpu")
-    spec = PaluSpec(2, 32, 32, bits or 16)
+    spec = PaluSpec(2, 32, 32, bits)
     install_palu(model, random_factors(shape, spec, "cpu"), spec.group_size)
     result = check(model, bits, context=48, batch=2)
     assert result["kernel_layers"] == shape.layers       # every layer took the kernel path

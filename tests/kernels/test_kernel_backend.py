@@ -165,7 +165,7 @@ def test_quantised_latent_cache_degrades_in_order_and_holds_packed_bytes():
                   progress=False)
     set_backend(model, "torch")
     ids = torch.randint(0, 97, (2, 9))
-    ref, _ = _decode_with(model, ids, None)
+    ref, _ = _decode_with(model, ids, 16)
     errs = {}
     for bits in (8, 4, 2):
         out, cache = _decode_with(model, ids, bits)
@@ -200,6 +200,10 @@ def test_kernel_path_reads_the_packed_cache_like_the_torch_path(bits, kept, monk
 def test_latent_cache_rejects_an_unsupported_width():
     with pytest.raises(ValueError, match="bits=5 is not one of"):
         palu.LatentCache(num_layers=1, bits=5)
+    # one encoding of "unquantised" (16), as the methods and kernels write it: None is refused
+    with pytest.raises(ValueError, match=r"bits=None is not one of .* \(or 16: unquantised\)"):
+        palu.LatentCache(num_layers=1, bits=None)
+    assert [layer.bits for layer in palu.LatentCache(num_layers=2).layers] == [16, 16]
 
 
 def test_packed_cache_follows_beam_search_and_crop():

@@ -121,8 +121,8 @@ def test_bad_budgets_and_widths_are_refused(setup):
 
 
 def test_a_latent_cache_stores_each_layer_at_its_width():
-    cache = palu.LatentCache(num_layers=3, bits=[None, 4, 2])
-    assert [layer.bits for layer in cache.layers] == [None, 4, 2] and cache.bits is None
+    cache = palu.LatentCache(num_layers=3, bits=[16, 4, 2])
+    assert [layer.bits for layer in cache.layers] == [16, 4, 2] and cache.bits is None
     assert palu.LatentCache(num_layers=3, bits=[4, 4, 4]).bits == 4
     with pytest.raises(ValueError, match="3 layers"):
         palu.LatentCache(num_layers=3, bits=[4, 4])
@@ -146,7 +146,7 @@ def test_a_byte_allocated_checkpoint_evaluates_at_its_widths(setup, tmp_path):
     method.install(installed)
     assert method.layer_bits() == alloc["bits"] and method.tag.endswith("-balloc")
     cache = method.make_cache(installed)
-    assert [layer.bits for layer in cache.layers] == [None if b == 16 else b for b in alloc["bits"]]
+    assert [layer.bits for layer in cache.layers] == alloc["bits"]
     windows = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(9))
     one = perplexity(installed, windows, progress=False, make_cache=lambda: method.make_cache(installed),
                      cache_nbytes=method.cache_nbytes)

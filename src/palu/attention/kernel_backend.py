@@ -17,17 +17,17 @@ import os
 import torch
 
 
-def can_use_kernel(attn, x, mask, bits: int | None = None) -> str | None:
+def can_use_kernel(attn, x, mask, bits: int = 16) -> str | None:
     """None if the kernel can run this step, else the reason it cannot (`bits`: the cache's
-    packed width, None for unquantised latents)."""
+    packed width, 16 for unquantised latents)."""
     if x.shape[1] != 1:
         return "prefill (more than one query token)"
-    from palu.quant.packed import KERNEL_BITS
-    if bits is not None and bits not in KERNEL_BITS:
+    from palu.quant.packed import KERNEL_BITS, UNQUANTISED
+    if bits != UNQUANTISED and bits not in KERNEL_BITS:
         return f"{bits}-bit latents (the kernels read {KERNEL_BITS})"
     if len(set(attn.ranks_k)) != 1 or len(set(attn.ranks_v)) != 1:
         return "ranks differ between groups"
-    per = 1 if bits is None else 8 // bits
+    per = 1 if bits == UNQUANTISED else 8 // bits
     if attn.ranks_k[0] % per or attn.ranks_v[0] % per:
         return f"ranks ({attn.ranks_k[0]}, {attn.ranks_v[0]}) are padded in the packed layout"
     if (attn.ranks_k[0] // per) % 16 or (attn.ranks_v[0] // per) % 16:

@@ -20,7 +20,8 @@ import os
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from palu.quant.packed import KERNEL_BITS, QuantLatent, dequantize_latent, pack_unit, quantize_latent
+from palu.quant.packed import (KERNEL_BITS, UNQUANTISED, QuantLatent, dequantize_latent, pack_unit,
+                               quantize_latent)
 from ..models.adapters import sliding_window_of
 from .protocol import causal_mask, check_latent_model
 from .slots import slot_buffer, slot_nbytes, slot_range
@@ -42,7 +43,7 @@ class GraphLatentLayer(CacheLayerMixin):
     def __init__(self, cache: "GraphLatentCache", groups: int, rank_k: int, rank_v: int, dtype, device):
         super().__init__()
         self.cache, self.groups = cache, groups
-        B, n, bits = cache.batch, cache.max_tokens, cache.bits or 16
+        B, n, bits = cache.batch, cache.max_tokens, cache.bits
         self.keys = slot_buffer(B, groups, n, rank_k, bits, device, dtype)
         self.values = slot_buffer(B, groups, n, rank_v, bits, device, dtype)
         self.dtype, self.device, self.is_initialized = dtype, torch.device(device), True
@@ -126,14 +127,14 @@ class _StoredSlots:
 class GraphLatentCache(Cache):
     """Latents of every Palu layer of `model` in preallocated slots (`max_tokens` per row).
 
-    `bits` None keeps the latents in the model's dtype; 2, 4 or 8 stores them packed with fp16
+    `bits` 16 keeps the latents in the model's dtype; 2, 4 or 8 stores them packed with fp16
     scales and zero points per token and group. Every layer's groups need one key rank and one
     value rank (the kernels' layout; uniform allocations have them).
     """
 
-    def __init__(self, model, max_tokens: int, batch: int = 1, bits: int | None = None):
-        if bits is not None and bits not in KERNEL_BITS:
-            raise ValueError(f"bits={bits!r} is not one of {KERNEL_BITS} (or None: unquantised); "
+    def __init__(self, model, max_tokens: int, batch: int = 1, bits: int = UNQUANTISED):
+        if bits != UNQUANTISED and bits not in KERNEL_BITS:
+            raise ValueError(f"bits={bits!r} is not one of {KERNEL_BITS} (or {UNQUANTISED}: unquantised); "
                              "3-bit latents: use palu.LatentCache (torch path)")
         for name, value in (("max_tokens", max_tokens), ("batch", batch)):
             if not isinstance(value, int) or value < 1:
@@ -155,7 +156,7 @@ class GraphLatentCache(Cache):
                 if len(set(ranks)) != 1:
                     raise ValueError(f"layer {i}: {name} ranks differ between groups ({list(ranks)}); "
                                      "GraphLatentCache needs one rank per layer (use LatentCache)")
-                if bits and ranks[0] % pack_unit(bits):
+                if bits != UNQUANTISED and ranks[0] % pack_unit(bits):
                     raise ValueError(f"layer {i}: {name} rank {ranks[0]} is not a multiple of "
                                      f"{pack_unit(bits)}, so its {bits}-bit latents are padded; the "
                                      "kernels read unpadded ones (use LatentCache)")

@@ -24,8 +24,8 @@ import itertools
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from palu.quant.packed import (KERNEL_BITS, SUPPORTED_BITS, QuantLatent, as_groups, dequantize_latent,
-                                 packed_width, quantize_latent)
+from palu.quant.packed import (KERNEL_BITS, SUPPORTED_BITS, UNQUANTISED, QuantLatent, as_groups,
+                               dequantize_latent, packed_width, quantize_latent)
 
 from .protocol import causal_mask, check_latent_model
 
@@ -61,7 +61,7 @@ _FRESH = itertools.count(-1, -1)   # fingerprints no hash of a real history coll
 
 
 class LatentLayer(DynamicLayer):
-    def __init__(self, bits: int | None = None, **kwargs):
+    def __init__(self, bits: int = UNQUANTISED, **kwargs):
         super().__init__(**kwargs)
         self.bits = bits
         self.key_sz: torch.Tensor | None = None       # packed mode: scales and zero points
@@ -144,7 +144,7 @@ class LatentLayer(DynamicLayer):
         `memo`: shared by the layers of one cache (`LatentCache`); a layer whose positions so far
         and new positions tensor match the last check's takes its answer instead of checking.
         """
-        if self.bits is None:
+        if self.bits == UNQUANTISED:
             keys, values = self.update(hk.unsqueeze(1), hv.unsqueeze(1))
             keys, values = keys.squeeze(1), values.squeeze(1)
         else:
@@ -249,7 +249,7 @@ class _StoredLatentLayer:
         return (self.hk, self.hv) if self.hk is not None else self.layer.latents(dtype)
 
     def kernel_latents(self, groups: int):
-        if self.bits:
+        if self.bits != UNQUANTISED:
             return self.layer.packed_groups(groups)
         return tuple(as_groups(h.unsqueeze(1), groups) for h in (self.hk, self.hv))
 
@@ -265,20 +265,20 @@ class LatentCache(Cache):
     Palu attention applies on the torch path; a mask sends a decode step there) decides what each
     query sees, so the window is honoured exactly; the bytes count every kept token."""
 
-    def __init__(self, model=None, num_layers: int | None = None, bits=None,
+    def __init__(self, model=None, num_layers: int | None = None, bits=UNQUANTISED,
                  channel_group: int | None = None):
         n = num_layers if num_layers is not None else (model.config.num_hidden_layers if model is not None else None)
         if n is None:
             raise ValueError("LatentCache needs the model or num_layers")
         # `bits` one width for every layer, or one per layer (a (rank, bits) byte allocation,
-        # decompose/bit_alloc.py; None in the list: that layer's latents unquantised)
+        # decompose/bit_alloc.py; 16 in the list: that layer's latents unquantised)
         per_layer = list(bits) if isinstance(bits, (list, tuple)) else [bits] * n
         if len(per_layer) != n:
             raise ValueError(f"bits lists {len(per_layer)} widths for a model of {n} layers")
         for b in per_layer:
-            if b is not None and b not in SUPPORTED_BITS:
-                raise ValueError(f"bits={b!r} is not one of {SUPPORTED_BITS} (or None: unquantised)")
-        quantised = [b for b in per_layer if b is not None]
+            if b != UNQUANTISED and b not in SUPPORTED_BITS:
+                raise ValueError(f"bits={b!r} is not one of {SUPPORTED_BITS} (or {UNQUANTISED}: unquantised)")
+        quantised = [b for b in per_layer if b != UNQUANTISED]
         if channel_group is not None and (not quantised or not isinstance(channel_group, int)
                                           or channel_group <= 0):
             raise ValueError(f"channel_group={channel_group!r}: a positive number of latent channels "
@@ -287,7 +287,7 @@ class LatentCache(Cache):
             check_latent_model(model, "LatentCache")
         super().__init__(layers=[LatentLayer(b) for b in per_layer])
         self.layer_bits = per_layer
-        # one width for the whole cache, else None (readers that need one width check layer_bits)
+        # one width for the whole cache, else None: widths differ by layer (see layer_bits)
         self.bits = per_layer[0] if len(set(per_layer)) == 1 else None
         self.channel_group = channel_group
         self._contiguity_memo: dict = {}   # one contiguity check per step, not per layer

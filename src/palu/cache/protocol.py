@@ -13,10 +13,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from palu.quant.packed import UNQUANTISED
+
 
 class StoredLatents(Protocol):
     """One layer's latents after this step's were stored."""
-    bits: int | None          # packed width, None for latents in the model's dtype
+    bits: int                 # packed width, 16 (UNQUANTISED) for latents in the model's dtype
     cached: bool              # held by a cache (the decode kernels read only cached latents)
     kernel_layout: bool       # stored as the kernels read them (not channel-grouped)
 
@@ -87,7 +89,7 @@ class TensorLatents:
     """Latents held as plain (B, S, R) tensors: a step without a latent cache, or one whose
     latents an ordinary transformers Cache stored as a single pseudo-head."""
 
-    bits = None
+    bits = UNQUANTISED
     kernel_layout = True
 
     def __init__(self, hk, hv, positions, cached: bool):

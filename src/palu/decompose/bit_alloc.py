@@ -49,6 +49,16 @@ def byte_ratio(allocation: dict, widths: list[int]) -> float:
     return used / (2 * allocation["original_size"])
 
 
+def uniform_byte_budget(geom, kept_ratio: float, group_size: int, multiple: int, bits: int) -> float:
+    """The byte budget of uniform ranks at `kept_ratio` with every latent at `bits` (metadata
+    included), as a fraction of the FP16 cache, to 5 decimals: the budget an error_aware_bytes
+    allocation is given to compare with that uniform checkpoint at the same bytes. Uniform ranks
+    read only the model's shape, so this is arithmetic on the config."""
+    from .ranks import allocate
+    uniform = allocate(geom, kept_ratio, group_size, "uniform", multiple)
+    return round(byte_ratio(uniform, [bits] * geom.num_layers), 5)
+
+
 @torch.no_grad()
 def projection_inputs(model, windows: torch.Tensor, max_tokens: int = 2048) -> list[torch.Tensor]:
     """Per layer the K/V projections' input (tokens, hidden) in float64 on the probe windows,

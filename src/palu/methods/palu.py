@@ -80,7 +80,7 @@ class Palu(CacheMethod):
         self.layer_bits()    # a bad bits setting fails before any evaluation
 
     def make_cache(self, model):
-        widths = [None if b == 16 else b for b in self.layer_bits()]
+        widths = self.layer_bits()
         return LatentCache(model, bits=widths, channel_group=self.channel_group)
 
     def cache_nbytes(self, cache) -> dict:
@@ -90,7 +90,7 @@ class Palu(CacheMethod):
                     "packed": self.bits != 16}
         # mixed widths: layers kept in the model's dtype count as full precision (fp16 in the
         # tables), packed layers as stored
-        plain = sum(layer.nbytes()["latents"] for layer in cache.layers if layer.bits is None)
+        plain = sum(layer.nbytes()["latents"] for layer in cache.layers if layer.bits == 16)
         return {"data": n["latents"] - plain, "metadata": n["scales"] + n["positions"],
                 "full_precision": plain, "total": n["total"], "packed": True}
 

@@ -157,14 +157,12 @@ class Grid:
         b = self.config.get("byte_budget")
         if not b:
             return []
-        from palu.decompose.bit_alloc import byte_ratio
-        from palu.decompose.ranks import allocate
+        from palu.decompose.bit_alloc import uniform_byte_budget
         group = self.kv_heads() if b["group_size"] == "kv_heads" else int(b["group_size"])
         geom, out = self.geometry, []
         for entry in b["budgets"]:
             kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
-            uniform = allocate(geom, kept, group, "uniform", self.config["rank_multiple"])
-            ratio = round(byte_ratio(uniform, [bits] * geom.num_layers), 5)
+            ratio = uniform_byte_budget(geom, kept, group, self.config["rank_multiple"], bits)
             out += [PaluSpec("whitened", "uniform", kept, group, bits),
                     PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
         return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+UNQUANTISED = 16           # the one encoding of "latents in the model's dtype", everywhere
 SUPPORTED_BITS = (2, 3, 4, 8)
 KERNEL_BITS = (2, 4, 8)   # what the Triton decode / quantise kernels read and write
 
