@@ -3,7 +3,7 @@
 A decode step of a 7B model in torch runs ~30 tiny elementwise kernels per layer around its
 GEMVs (RMSNorm alone is cast, square, mean, add, rsqrt, multiply, cast, multiply); at batch 1
 each costs ~1.5-3 us of GPU time whatever its size: ~1 ms per token (the decode profile in
-benchmarks/NOTES.md). Used by the benchmark decoder (`palu_bench.decoder`) for the dense and the
+benchmarks/NOTES.md). Used by the benchmark decoder (`palu_bench.bench_decoder`) for the dense and the
 Palu model alike, so speed-ups over the dense model are not flattered by them.
 
 Numerics follow the torch expressions they replace: the residual sum is rounded to the model's

@@ -173,63 +173,6 @@ def best_palu_seconds(rows, shape_name, B, T) -> float:
     return min(times, default=float("nan"))
 
 
-def tune_params(variant) -> dict:
-    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
-    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
-    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
-    if isinstance(variant, dict):
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
-    if len(variant) != 4:
-        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
-                         "nor a mapping of palu_decode keywords")
-    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
-
-
-def tune_plan(cfg) -> list[tuple[dict, list]]:
-    """(configuration, variants) per `tune` row: the row's own `variants`, else `tune_variants`.
-    Rows of shapes that this run does not time (one run per shape) are left to that shape's run."""
-    plan = []
-    for row in cfg.get("tune", []):
-        if row["shape"] not in cfg["shapes"]:
-            continue
-        case = {k: v for k, v in row.items() if k != "variants"}
-        plan.append((case, row.get("variants") or cfg.get("tune_variants") or [{}]))
-    return plan
-
-
-def tune(cfg, ceil, log) -> list[dict]:
-    """Time kernel launch parameters on a few representative configurations (kernel notes): each
-    `tune` row under every `tune_variants` entry, or under the row's own `variants`."""
-    from palu_kernels.palu_decode import palu_decode
-    from palu_kernels.reference import latent_decode_reference
-    out = []
-    for case, variants in tune_plan(cfg):
-        shape = cfg["shapes"][case["shape"]]
-        qi, hk, hv, kw, c = palu_case(shape, 1, case["length"], case["group"], case["kept"][0],
-                                      case["kept"][1], case["bits"], case["rope"])
-        if not case["rope"]:
-            kw["bk"] = None
-        # Every variant is checked against the float32 reference as well as timed: a faster
-        # variant that computes something else must not look like a win.
-        ref = latent_decode_reference(qi, hk, hv, **kw)
-        for v in variants:
-            params = tune_params(v)
-            fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
-            try:
-                err = _rel_err(fn, ref)
-                t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
-                row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
-                           rel_err=err)
-            except Exception as err:
-                row = {"variant": "tune", "batch": 1, **case, "params": str(v), "error": str(err)[:200]}
-            log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us, "
-                f"rel. error {row.get('rel_err', float('nan')):.1e}")
-            out.append(row)
-        del qi, hk, hv, ref
-        torch.cuda.empty_cache()
-    return out
-
-
 def run(cfg: dict, out: str | None = None, log=print) -> dict:
     from palu_kernels.palu_decode import palu_decode
     if not torch.cuda.is_available():
@@ -238,6 +181,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     ceil = measure_ceilings()
     log(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    from .latency_tuning import tune
     rows, checks = tune(cfg, ceil, log), []
     w, r = cfg["warmup_ms"], cfg["rep_ms"]
     points = [(1, T) for T in cfg["lengths"]] + [(b["batch"], b["length"]) for b in cfg["batches"]]
@@ -282,7 +226,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
                            "python": platform.python_version(), "cuda": torch.version.cuda},
               "config": cfg, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if out:   # atomically: an interrupted run leaves no half-written results file
-        from palu.io import write_json   # refuses NaN / inf: a failed timing is an error row
+        from palu.artifacts import write_json   # refuses NaN / inf: a failed timing is an error row
         write_json(out, result)
     return result
 

@@ -154,7 +154,7 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
     from palu.decompose.ranks import allocate
     from palu.decompose.spectra import whitened_svds
     from palu.eval.perplexity import perplexity
-    from palu.methods.kvquant import capture_activations, fit_from_activations
+    from palu.calib.kvquant import capture_activations, fit_from_activations
     from palu.models.adapters import geometry_of
     from palu.models.loading import load_model
 
@@ -294,7 +294,7 @@ def check_devices(device: str, log) -> list[dict]:
     from palu.decompose.factors import decompose_model
     from palu.decompose.ranks import allocate
     from palu.decompose.spectra import whitened_svds
-    from palu.methods.kvquant import capture_activations, fit_from_activations
+    from palu.calib.kvquant import capture_activations, fit_from_activations
     from palu.models.adapters import geometry_of
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -360,7 +360,7 @@ def run(cfg: dict, out: str | None = None, log=print, shapes: list[str] | None =
               "weights": "random (transformers' initialisation): times and memory, not quality",
               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if out:
-        from palu.io import write_json
+        from palu.artifacts import write_json
         write_json(out, result)
     return result
 

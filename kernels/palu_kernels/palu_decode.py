@@ -24,13 +24,13 @@ import triton
 from palu.quant.packed import QuantLatent
 from .combine import _combine
 from .one_pass import _fused_norope
-from .options import (_fused_unfit, _qproj_int_fits, _stored_pad, _values_unfit, one_pass_options,  # noqa: F401
+from .launch_defaults import (_fused_unfit, _qproj_int_fits, _stored_pad, _values_unfit, one_pass_options,  # noqa: F401
                       one_pass_tiles, programs_per_sm, qproj_int_default, qproj_options, qproj_pair_default,
                       values_splits)
 from .qproj import _scores_qproj
 from .qproj_pair import _scores_qproj_pair
-from .scores import _scores
-from .values import _values
+from .two_pass_scores import _scores
+from .two_pass_values import _values
 
 LOG2E = 1.4426950408889634
 

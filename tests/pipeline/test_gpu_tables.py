@@ -12,12 +12,12 @@ import torch
 import yaml
 
 from conftest import ROOT
-from palu_bench import decode
+from palu_bench import decode_e2e
 from palu_bench.cli.table import decode_outputs, latency_outputs
 
 LATENCY = sorted(str(p) for p in (ROOT / "results" / "latency").glob("h200-llama*.json"))
 DECODE = sorted(str(p) for p in (ROOT / "results" / "decode").glob("*.json"))
-DECODE_CONF = yaml.safe_load((Path(decode.__file__).parent / "conf" / "bench" / "decode.yaml").read_text())
+DECODE_CONF = yaml.safe_load((Path(decode_e2e.__file__).parent / "conf" / "bench" / "decode.yaml").read_text())
 
 
 @pytest.mark.skipif(not LATENCY, reason="no committed latency results")
@@ -31,7 +31,7 @@ def test_latency_table_and_figure_from_committed_runs(tmp_path):
 
 
 def test_a_configuration_timed_twice_keeps_the_newest_run(tmp_path):
-    from palu.io import write_json
+    from palu.artifacts import write_json
     from palu_bench.report.latency import latency_frame
 
     def run(created, us, variants):
@@ -58,7 +58,7 @@ def test_decode_table_and_memory_figure_from_committed_runs(tmp_path):
 
 
 def test_decode_table_has_the_transformers_section_when_the_run_has_one():
-    from palu_bench.report.decode import hf_markdown
+    from palu_bench.report.decode_e2e import hf_markdown
     rows = [{"variant": v, "context": t, "seconds_per_token": ms / 1e3, "seconds_min": ms / 2e3,
              "cache_bytes": 2 ** 30, "speedup": sp}
             for v, ms, sp in (("hf-fp16-static", 48.0, 1.0), ("hf-palu50-g4-int4", 60.0, 0.8)) for t in (4096, 65536)]
@@ -92,13 +92,13 @@ def test_decode_benchmark_rejects_bad_configs_before_gpu_work(change, message):
     cfg = copy.deepcopy(DECODE_CONF)
     change(cfg)
     with pytest.raises(ValueError, match=message):
-        decode.run(cfg)
+        decode_e2e.run(cfg)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, "-m", "palu_bench.cli.decode", f"out={out}"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "palu_bench.cli.decode_e2e", f"out={out}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "needs a CUDA GPU" in proc.stdout + proc.stderr
@@ -106,7 +106,7 @@ def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
 
 
 def test_tune_rows_take_their_own_variants_or_the_shared_list():
-    from palu_bench.latency import tune_plan
+    from palu_bench.latency_tuning import tune_plan
     row = {"shape": "s", "length": 4096, "group": 1, "kept": [0.5, 0.5], "bits": 4, "rope": False}
     other = {**row, "shape": "t"}    # another shape's row: timed by that shape's run
     cfg = {"shapes": {"s": {}}, "tune": [row, other, {**row, "variants": [{"qproj_int": True}]}],
@@ -133,7 +133,7 @@ def test_the_best_palu_time_of_a_point_skips_baselines_tune_and_failed_rows():
 
 
 def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
-    from palu_bench.latency import tune_params
+    from palu_bench.latency_tuning import tune_params
     assert tune_params([32, [2, 3], [4, 4], 64]) == dict(block_t=32, stages=(2, 3), warps=(4, 4), block_r=64)
     assert tune_params({"fused_int_keys": True, "fused_maxnreg": 128, "splits": 64}) == \
         dict(fused_int_keys=True, fused_maxnreg=128, splits=64)

@@ -30,7 +30,7 @@ def test_wheel_ships_packages_and_the_config_tree(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     conf = {str(p.relative_to(ROOT / "conf")) for p in (ROOT / "conf").rglob("*.yaml")}
     assert conf and {f"palu/pipeline/conf/{c}" for c in conf} <= names          # every YAML of conf/
-    for module in ("palu/methods/palu.py", "palu/quant/packed.py", "palu/pipeline/cli/evaluate.py", "palu_kernels/palu_decode.py", "palu_kernels/options.py",
+    for module in ("palu/methods/palu.py", "palu/quant/packed.py", "palu/pipeline/cli/evaluate.py", "palu_kernels/palu_decode.py", "palu_kernels/launch_defaults.py",
                    "palu_bench/cli/table.py", "palu_bench/conf/bench/decode.yaml",
                    "palu/eval/lmeval_tasks/piqa.yaml", "palu/eval/lmeval_tasks/embedded.py"):
         assert module in names

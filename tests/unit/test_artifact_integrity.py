@@ -18,9 +18,9 @@ import palu
 from palu.calib.stats_file import StatisticsMismatchError, check_model, load_stats, save_stats
 from palu.decompose.checkpoint import CheckpointError
 from palu.decompose.ranks import allocate, check_allocation
-from palu.io import IntegrityError, read_json, seal, unseal, write_json
+from palu.artifacts import IntegrityError, read_json, seal, unseal, write_json
 from palu.methods import build_method
-from palu.methods.kvquant import fit_kvquant
+from palu.calib.kvquant import fit_kvquant
 from palu.models.adapters import geometry_of
 from tiny import tiny_llama
 

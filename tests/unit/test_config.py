@@ -23,7 +23,7 @@ def _compose(overrides=()):
 def kvquant_state(tmp_path_factory):
     import torch
 
-    from palu.methods.kvquant import fit_kvquant
+    from palu.calib.kvquant import fit_kvquant
     from tiny import tiny_llama
     path = tmp_path_factory.mktemp("kvquant") / "state"
     fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",

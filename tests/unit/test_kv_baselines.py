@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from palu.cache.quant_cache import QuantKVCache, Schedule
 from palu.eval.perplexity import perplexity
 from palu.methods import MethodError, build_method
-from palu.methods.kvquant import KVQuantState, fit_kvquant
+from palu.calib.kvquant import fit_kvquant
+from palu.methods.kvquant import KVQuantState
 from palu.quant.codecs import TurboCodec, UniformCodec
 from palu.quant.uniform import dequantize, quantize
 from tiny import FAMILIES
@@ -312,7 +313,7 @@ def test_sliding_window_models_keep_their_window_through_a_quantised_cache(make)
 def test_one_capture_serves_every_fit_and_round_trips(tmp_path):
     """The pipeline captures calibration activations once (kvquant_capture) and fits each bit
     width and weighting from them: the same states as fitting from the model directly."""
-    from palu.methods.kvquant import KVQuantActivations, capture_activations, fit_from_activations
+    from palu.calib.kvquant import KVQuantActivations, capture_activations, fit_from_activations
     base = FAMILIES["llama"](0).double()
     calib = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(8))
     captured = capture_activations(copy.deepcopy(base), calib, fisher=True, tokens_per_window=16,

@@ -22,7 +22,7 @@ def test_each_yaml_builds_its_method_with_only_declared_fields(stem, tmp_path):
     if "state" in conf:   # KVQuant: a fitted state folder
         import torch
 
-        from palu.methods.kvquant import fit_kvquant
+        from palu.calib.kvquant import fit_kvquant
         from tiny import tiny_llama
         fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",
                     tokens_per_window=8, progress=False).save(tmp_path / "state")
@@ -44,7 +44,7 @@ def test_unknown_method_and_unknown_field_are_named():
 
 def test_palu_tag_carries_the_bit_width(tmp_path):
     from palu.decompose.checkpoint import FORMAT_VERSION
-    from palu.io import seal, write_json
+    from palu.artifacts import seal, write_json
     write_json(tmp_path / "manifest.json", seal({"format_version": FORMAT_VERSION, "tag": "palu-x"}))
     assert build_method({"name": "palu", "checkpoint": str(tmp_path)}).tag == "palu-x"
     assert build_method({"name": "palu", "checkpoint": str(tmp_path), "bits": 4}).tag == "palu-x-b4"

@@ -11,7 +11,7 @@ import palu
 from palu.decompose.lineage import lineage_of
 from palu.cache.latent_cache import LatentCache
 from palu.data.windows import bos_token_for, calibration_windows, evaluation_windows
-from palu.io import NonFiniteResultError, write_json
+from palu.artifacts import NonFiniteResultError, write_json
 from palu.models.adapters import UnsupportedArchitectureError, sliding_window_of
 from tiny import (save_tiny, tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_qwen2_sliding,
                   tiny_tokenizer)

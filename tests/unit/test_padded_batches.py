@@ -20,7 +20,7 @@ import torch
 
 import palu
 from palu.methods import build_method
-from palu.methods.kvquant import fit_kvquant
+from palu.calib.kvquant import fit_kvquant
 from tiny import tiny_llama
 
 PAD = 0

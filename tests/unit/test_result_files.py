@@ -3,7 +3,7 @@ umask decides their mode, not the temporary file's 0600 (issue 34, item 6)."""
 import os
 import stat
 
-from palu.io import atomic_dir, write_json, write_text
+from palu.artifacts import atomic_dir, write_json, write_text
 
 
 def _mode(path) -> int:

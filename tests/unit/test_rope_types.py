@@ -57,7 +57,7 @@ def test_full_rank_palu_generates_as_the_model_or_refuses_the_rope_type(kind):
 @pytest.mark.parametrize("kind", sorted(REFUSED))
 def test_kvquant_refuses_a_dynamic_rope_at_install(kind, tmp_path):
     from palu.methods import build_method
-    from palu.methods.kvquant import fit_kvquant
+    from palu.calib.kvquant import fit_kvquant
     model = _model(kind).float()
     with pytest.raises(UnsupportedRopeError, match=kind):
         fit_kvquant(model, torch.randint(0, 97, (2, 12)), bits=3, weighting="uniform", progress=False)

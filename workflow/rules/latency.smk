@@ -54,7 +54,7 @@ rule decode:
     threads: threads_of("decode")
     resources: **needs("decode")
     shell:
-        "exec {PY} -m palu_bench.cli.decode out={output} {BENCH_TRACK} > {log} 2>&1"
+        "exec {PY} -m palu_bench.cli.decode_e2e out={output} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule decode_table:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import hydra
 
-from palu.io import read_json, write_text
+from palu.artifacts import read_json, write_text
 
 from .common import CONF_DIR, log, tracked
 
@@ -27,7 +27,7 @@ def latency_outputs(inputs: list[str], prefix: str, figure: str):
 
 
 def decode_outputs(inputs: list[str], prefix: str, figure: str):
-    from ..report.decode import decode_frame, decode_markdown, memory_figure
+    from ..report.decode_e2e import decode_frame, decode_markdown, memory_figure
     frame, meta = decode_frame(inputs)
     write_text(f"{prefix}.csv", frame.to_csv(index=False))
     write_text(f"{prefix}.md", decode_markdown(frame, meta))

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from palu.io import atomic_path, read_json  # noqa: E402
+from palu.artifacts import atomic_path, read_json  # noqa: E402
 
 COLUMNS = ["device", "shape", "batch", "length", "variant", "rope", "split", "group_size", "bits",
            "rank_k", "rank_v", "seconds", "speedup", "bytes", "flops", "tb_per_s", "tflop_per_s",

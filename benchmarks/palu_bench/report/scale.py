@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from palu.io import atomic_path, read_json  # noqa: E402
+from palu.artifacts import atomic_path, read_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 COLUMNS = ["device", "shape", "step", "variant", "seconds", "tokens", "tokens_per_s", "job_gpu_gib",

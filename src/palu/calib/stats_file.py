@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..io import atomic_path, seal, unseal
+from ..artifacts import atomic_path, seal, unseal
 
 
 class StatisticsMismatchError(ValueError):
@@ -41,7 +41,7 @@ def load_stats(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], di
         raw = (f.metadata() or {}).get("palu")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if raw is None:
-        from ..io import IntegrityError
+        from ..artifacts import IntegrityError
         raise IntegrityError(f"{what} {path} has no sealed metadata (written by an older palu): "
                              "run its step again")
     return tensors, unseal(json.loads(raw), f"{what} {path}")

@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..attention.install import install_palu
-from ..io import IntegrityError, atomic_dir, read_json, seal, sha256_file, unseal, write_json
+from ..artifacts import IntegrityError, atomic_dir, read_json, seal, sha256_file, unseal, write_json
 from ..models.adapters import adapter_for, geometry_of
 from .factors import LayerFactors
 from .ranks import check_allocation, ranks_table

@@ -255,7 +255,7 @@ def prepare_model(model_id: str, out_dir: str | Path) -> Path:
     they are so every later step reads the same bytes. The saved copy is reloaded and checked
     against the source (`check_round_trip`) before it is put in place.
     """
-    from ..io import atomic_dir
+    from ..artifacts import atomic_dir
     out_dir = Path(out_dir)
     # a GGUF file is dequantised to float32; a safetensors model is kept in its own dtype (a 7B
     # fp16 model copied as float32 doubled its disk and host memory: 27 GB, and 54 GB while the

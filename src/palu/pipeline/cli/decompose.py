@@ -8,7 +8,7 @@ from palu.compress import build_manifest
 from palu.pipeline.config import to_dict
 from palu.decompose.checkpoint import save_compressed, source_hash
 from palu.decompose.factors import NEEDS_GRAM, decompose_model
-from palu.io import read_json, sha256_file, unseal
+from palu.artifacts import read_json, sha256_file, unseal
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, tracked

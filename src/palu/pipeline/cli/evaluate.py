@@ -5,7 +5,7 @@ from __future__ import annotations
 from palu.pipeline.config import method_of
 from palu.data.corpora import load_corpus
 from palu.eval.runner import check_seqlen, evaluate_corpus
-from palu.io import write_json
+from palu.artifacts import write_json
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked

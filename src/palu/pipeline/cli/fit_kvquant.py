@@ -3,7 +3,7 @@ settings), from a capture of calibration activations (`kvquant.activations`, the
 kvquant_capture step) or captured here; `method=kvquant method.state=<out>` reads them."""
 from __future__ import annotations
 
-from palu.methods.kvquant import KVQuantActivations, capture_activations, fit_from_activations
+from palu.calib.kvquant import KVQuantActivations, capture_activations, fit_from_activations
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.pipeline.cli.common import calibration_windows_of, entry_point, log, model_input, model_path, tracked

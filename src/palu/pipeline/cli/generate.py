@@ -11,7 +11,7 @@ from palu.cache.memory import bytes_summary, prefill_nbytes
 from palu.pipeline.config import method_of
 from palu.data.corpora import load_corpus
 from palu.data.windows import bos_token_for, evaluation_windows, tokenize
-from palu.io import write_json
+from palu.artifacts import write_json
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked

@@ -3,7 +3,7 @@ gradients) that every KVQuant state of these windows is fitted from (`fit_kvquan
 kvquant.activations=<out>`): one backward pass per window, shared by all bit widths."""
 from __future__ import annotations
 
-from palu.methods.kvquant import capture_activations
+from palu.calib.kvquant import capture_activations
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.pipeline.cli.common import calibration_windows_of, check_window_length, entry_point, log, model_input, model_path, tracked

@@ -6,7 +6,7 @@ longcontext table and needle heatmap read it)."""
 from __future__ import annotations
 
 from palu.pipeline.config import method_of, suite_settings
-from palu.io import write_json
+from palu.artifacts import write_json
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked

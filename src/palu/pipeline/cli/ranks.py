@@ -4,7 +4,7 @@ from __future__ import annotations
 from palu.calib.stats_file import check_model, load_stats
 from palu.decompose.allocation import allocate_ranks, check_statistics
 from palu.decompose.ranks import get_allocator
-from palu.io import seal, write_json
+from palu.artifacts import seal, write_json
 from palu.models.adapters import config_fingerprint, geometry_of
 from palu.models.loading import load_config
 from palu.pipeline import naming

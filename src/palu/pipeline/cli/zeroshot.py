@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from palu.pipeline.config import method_of
-from palu.io import write_json
+from palu.artifacts import write_json
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked

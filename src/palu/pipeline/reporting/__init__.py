@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from palu.io import write_text
+from palu.artifacts import write_text
 
 
 def write_frame(frame, prefix: str | Path, markdown: str):

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from palu.io import atomic_path, read_json  # noqa: E402
+from palu.artifacts import atomic_path, read_json  # noqa: E402
 
 
 def _kept_fraction(allocation: dict) -> np.ndarray:

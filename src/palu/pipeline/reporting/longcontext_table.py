@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from palu.eval.stats import paired_difference, stratified_mean, wilson_interval
-from palu.io import read_json
+from palu.artifacts import read_json
 from palu.pipeline.reporting import write_frame
 
 matplotlib.use("Agg")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from palu.io import read_json
+from palu.artifacts import read_json
 from palu.pipeline.reporting import write_frame
 
 COLUMNS = ["method", "context", "dtype", "cache_bytes", "cache_bytes_fp16", "effective_bits",

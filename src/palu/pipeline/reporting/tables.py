@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from palu.eval.stats import ppl_difference, ppl_interval
-from palu.io import read_json
+from palu.artifacts import read_json
 from palu.pipeline.reporting import write_frame
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from palu.eval.stats import paired_difference, stratified_mean
-from palu.io import read_json
+from palu.artifacts import read_json
 from palu.pipeline.reporting import write_frame
 
 LABELS = {"piqa": "PIQA", "arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .decoder import Decoder, DecoderShape, PaluSpec, step_flops
+from .bench_decoder import Decoder, DecoderShape, PaluSpec, step_flops
 
 
 def _check_small(cfg, log) -> list[dict]:
@@ -102,7 +102,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     # validates every variant before any GPU work
     specs = {v["name"]: variant_spec(shapes[v["name"]], v) for v in cfg["variants"]}
     if cfg.get("hf"):
-        from .hf_decode import hf_plan
+        from .decode_transformers import hf_plan
         hf_plan(cfg)
     if not torch.cuda.is_available():
         raise RuntimeError("the decode benchmark needs a CUDA GPU (none visible here)")
@@ -156,7 +156,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
         if "error" not in r and base:
             r["speedup"] = base / r["seconds_per_token"]
     if cfg.get("hf"):   # the transformers path (eager), after the graph-replayed decoder
-        from .hf_decode import run_hf
+        from .decode_transformers import run_hf
         hf = run_hf(cfg, log)
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "checks": checks, "rows": rows,
               "versions": {"torch": torch.__version__, "triton": triton.__version__,
@@ -166,7 +166,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     if cfg.get("hf"):
         result["hf"] = hf
     if out:
-        from palu.io import write_json   # refuses NaN / inf: a failed timing is an error row
+        from palu.artifacts import write_json   # refuses NaN / inf: a failed timing is an error row
         write_json(out, result)
     return result
 

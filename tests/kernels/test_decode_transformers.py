@@ -8,8 +8,8 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from palu.attention.install import install_palu  # noqa: E402
-from palu_bench.decoder import DecoderShape, PaluSpec  # noqa: E402
-from palu_bench.hf_decode import check, fill_cache, hf_llama, hf_plan, new_cache, random_factors  # noqa: E402
+from palu_bench.bench_decoder import DecoderShape, PaluSpec  # noqa: E402
+from palu_bench.decode_transformers import check, fill_cache, hf_llama, hf_plan, new_cache, random_factors  # noqa: E402
 
 SHAPE = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=96, vocab=50)
 

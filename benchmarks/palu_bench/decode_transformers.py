@@ -10,7 +10,7 @@ per-layer launches and the cache's append included.
 Variants with `graph: true` replay each step as a CUDA graph instead: Palu through
 `palu.GraphLatentCache` and `palu.GraphDecoder` (what a user of the library runs for speed), dense
 through transformers' `StaticCache` captured the same way (its device-side length counter and
-mask make its step capturable). The graph-replayed decoder (`palu_bench.decoder`) is the kernels'
+mask make its step capturable). The graph-replayed decoder (`palu_bench.bench_decoder`) is the kernels'
 best case with a hand-written model; these are the same kernels inside transformers' model.
 
 Before timing, `check` runs one step through the kernels and through the torch reference path on
@@ -28,7 +28,7 @@ from palu.cache.graph_cache import GraphLatentCache
 from palu.cache.latent_cache import LatentCache
 from palu.decompose.factors import LayerFactors
 from palu.generation import CapturedStep, GraphDecoder
-from .decoder import DecoderShape, PaluSpec
+from .bench_decoder import DecoderShape, PaluSpec
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Entry point `decode` (GPU host): end-to-end decode latency and memory vs context.
 
-    python -m palu_bench.cli.decode out=results/decode/h200-llama2-7b.json
+    python -m palu_bench.cli.decode_e2e out=results/decode/h200-llama2-7b.json
 The grid is conf/bench/decode.yaml (Llama-2-7B shapes, random fp16 weights); override any key,
 e.g. `bench.contexts=[4096,65536] bench.batch=8`. Its `hf` block times the same shapes through
 transformers (`LlamaForCausalLM` + `palu.LatentCache`, eager): `bench.hf=null` skips it.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import OmegaConf
 
-from ..decode import run
+from ..decode_e2e import run
 from .common import CONF_DIR, log, tracked
 
 

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from palu.io import atomic_path, read_json  # noqa: E402
+from palu.artifacts import atomic_path, read_json  # noqa: E402
 
 COLUMNS = ["device", "variant", "rope", "baseline", "batch", "context", "group_size", "rank_k", "rank_v",
            "bits", "seconds_per_token", "speedup", "peak_bytes", "weight_bytes", "cache_bytes",
@@ -92,7 +92,7 @@ def decode_markdown(frame: pd.DataFrame, meta: dict) -> str:
 
 
 def hf_markdown(hf: dict) -> str:
-    """The transformers-path section (`palu_bench.hf_decode`): eager steps, and CUDA-graph replays
+    """The transformers-path section (`palu_bench.decode_transformers`): eager steps, and CUDA-graph replays
     (`graph` rows) where the run has them."""
     frame = pd.DataFrame(hf["rows"])
     if "error" not in frame:

@@ -8,7 +8,7 @@ import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from palu_bench.decoder import Decoder, DecoderShape, PaluSpec  # noqa: E402
+from palu_bench.bench_decoder import Decoder, DecoderShape, PaluSpec  # noqa: E402
 from palu_bench.static_cache import StaticLatentCache  # noqa: E402
 
 SHAPE = DecoderShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, intermediate=96, vocab=50)
@@ -64,7 +64,7 @@ def test_static_latent_cache_bytes_and_bad_input():
 
 
 def test_step_flops_counts_the_work_each_path_does():
-    from palu_bench.decoder import step_flops
+    from palu_bench.bench_decoder import step_flops
     s = SHAPE
     dense = step_flops(s, None, context=99)
     # dense attention: q.k and p.v over 100 tokens, 4 query heads of 32 dims, per layer
