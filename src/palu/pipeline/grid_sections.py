@@ -1,0 +1,286 @@
+"""What each section of a grid asks for: the Palu runs (specs) of every table and suite, and the
+settings of the steps it configures (recovery, zero-shot, long-context suites, KVQuant fitting).
+`Grid` (grid.py) combines them into the grid's runs, paths and overrides."""
+from __future__ import annotations
+
+from palu.eval.suites import SUITES
+from palu.pipeline import naming
+from palu.pipeline.config import KVQuantConfig, RecoveryConfig, ZeroshotConfig
+from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of
+
+
+class GridSections:
+    """Mixed into `Grid`: reads `self.config` and the grid's model, tags and run names."""
+
+    def group(self, value) -> int:
+        """A section's group size: a number, or `kv_heads` (one group of all KV heads, J-LRD)."""
+        return self.kv_heads() if value == "kv_heads" else int(value)
+
+    def granularity_specs(self) -> list[PaluSpec]:
+        g = self.config["granularity"]
+        return [PaluSpec(g["decomposition"], g["rank_method"], float(k), s)
+                for s in self.group_sizes(g["group_sizes"]) for k in g["kept_ratios"]]
+
+    def rank_allocation_specs(self) -> list[PaluSpec]:
+        r = self.config["rank_allocation"]
+        # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
+        sizes = r.get("group_sizes", [r.get("group_size", 1)])
+        groups = [self.group(g) for g in sizes]
+        return [PaluSpec(r["decomposition"], m, float(k), g)
+                for g in groups for k in r["kept_ratios"] for m in r["methods"]]
+
+    def factors_specs(self) -> list[PaluSpec]:
+        """The factor-objective ablation: each decomposition (whitened vs attention) at each kept
+        ratio and group size, the same ranks."""
+        f = self.config.get("factors")
+        if not f:
+            return []
+        from palu.decompose.factors import DECOMPOSITIONS
+        stray = [d for d in f["decompositions"] if d not in DECOMPOSITIONS]
+        if stray:
+            raise ValueError(f"grid factors.decompositions {stray} are not among {list(DECOMPOSITIONS)}")
+        groups = [self.group(g) for g in f["group_sizes"]]
+        return [PaluSpec(d, f["rank_method"], float(k), g)
+                for g in groups for k in f["kept_ratios"] for d in f["decompositions"]]
+
+    def recovery_settings(self) -> dict:
+        """The grid's recovery settings over the step's defaults (config.RecoveryConfig)."""
+        settings = settings_of(RecoveryConfig, self.config.get("recovery"), "recovery",
+                               drop=("runs", "corpora"))
+        settings.pop("checkpoint")          # the rule passes each run's own
+        return settings
+
+    def recovery_tag(self) -> str:
+        return naming.recovery_tag(**self.recovery_settings())
+
+    def recovery_overrides(self) -> str:
+        return " ".join(hydra_overrides("recovery", self.recovery_settings()))
+
+    def byte_budget_specs(self) -> list[PaluSpec]:
+        """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, bits) the
+        uniform checkpoint at that width (the reference) and an error_aware_bytes allocation of
+        exactly its latent bytes (its kept ratio: the byte ratio to FP16, 5 decimals)."""
+        b = self.config.get("byte_budget")
+        if not b:
+            return []
+        from palu.decompose.bit_alloc import uniform_byte_budget
+        group = self.group(b["group_size"])
+        geom, out = self.geometry, []
+        for entry in b["budgets"]:
+            kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
+            ratio = uniform_byte_budget(geom, kept, group, self.config["rank_multiple"], bits)
+            out += [PaluSpec("whitened", "uniform", kept, group, bits),
+                    PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
+        return out
+
+    def recovery_specs(self) -> list[PaluSpec]:
+        """Each `recovery.runs` entry (uniform ranks, whitened unless given) before and after LoRA
+        recovery."""
+        r = self.config.get("recovery")
+        if not r:
+            return []
+        tag, out = self.recovery_tag(), []
+        for p in r.get("runs", []):
+            base = PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
+                            float(p["kept_ratio"]),
+                            self.group(p["group_size"]))
+            out += [base, PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size,
+                                   recovery=tag)]
+        return out
+
+    def latent_bits_specs(self) -> list[PaluSpec]:
+        q = self.config.get("latent_bits")
+        if not q:
+            return []
+        # `kv_heads`: one group of all KV heads (J-LRD), whatever the model's head count
+        group = self.group(q["group_size"])
+        return [PaluSpec(q["decomposition"], q["rank_method"], float(q["kept_ratio"]), group, int(b))
+                for b in q["bits"]]
+
+    def hadamard_specs(self) -> list[PaluSpec]:
+        """One checkpoint per rotation (J-LRD by default), its latents at each bit width."""
+        h = self.config.get("hadamard")
+        if not h:
+            return []
+        group = self.group(h["group_size"])
+        return [PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]), group, int(b), r)
+                for r in h["rotations"] for b in h["bits"]]
+
+    def quantization_palu_specs(self) -> list[PaluSpec]:
+        """Palu rows of the quantization table: kept ratio x granularity x rotation x bits."""
+        p = (self.config.get("quantization") or {}).get("palu")
+        if not p:
+            return []
+        groups = [self.group(g) for g in p["group_sizes"]]
+        return [PaluSpec(p["decomposition"], p["rank_method"], float(k), g, int(b), r)
+                for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
+
+    def _suite_specs(self, key: str) -> list[PaluSpec]:
+        """Palu rows of an evaluation suite (zeroshot, longcontext): each entry a kept ratio, group
+        size and latent bits (uniform ranks, whitened SVD unless given)."""
+        z = self.config.get(key) or {}
+        return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
+                         float(p["kept_ratio"]),
+                         self.group(p["group_size"]),
+                         int(p.get("bits", 16)))
+                for p in z.get("palu", [])]
+
+    def zeroshot_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        return self._suite_runs("zeroshot")
+
+    def _suite_runs(self, key: str) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        """FP16 (the reference of every paired difference), the entry's Palu runs, its baselines
+        and KVQuant at `<key>.kvquant_bits` (fitted for the quantization table)."""
+        z = self.config.get(key)
+        if not z:
+            return {}
+        out: dict = {"fp16": None, **{self.run_name(s): s for s in self._suite_specs(key)}}
+        out.update(self._configured_methods(z.get("baselines")))
+        kv = [s for s in self.kvquant_specs() if s.bits == z.get("kvquant_bits")]
+        out.update({self.run_name(s): s for s in kv[:1]})
+        return out
+
+    def longcontext_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+        return self._suite_runs("longcontext")
+
+    def longcontext_suites(self) -> dict[str, dict]:
+        """Each suite of the grid's `longcontext.suites` with its settings over the suite's
+        settings dataclass (registered in palu.eval.suites)."""
+        suites = (self.config.get("longcontext") or {}).get("suites") or {}
+        unknown = [s for s in suites if s not in SUITES]
+        if unknown:
+            raise ValueError(f"grid longcontext.suites {unknown} unknown; known: {list(SUITES)}")
+        return {name: settings_of(SUITES[name].settings, given, f"longcontext.suites.{name}")
+                for name, given in suites.items()}
+
+    def longcontext_tags(self) -> dict[str, str]:
+        """Result-file tag -> suite name, for every suite of the grid (each suite's own tag)."""
+        return {SUITES[name].tag(SUITES[name].settings(**s), self.dtype): name
+                for name, s in self.longcontext_suites().items()}
+
+    def longcontext_pattern(self) -> str:
+        """The longcontext rule's output, with {run} and {suite} (a suite's tag) wildcards."""
+        return str(naming.longcontext_path(self.results, self.model, "{run}", "{suite}"))
+
+    def longcontext_files(self, suite: str | None = None) -> list[str]:
+        return [str(naming.longcontext_path(self.results, self.model, run, tag))
+                for tag, name in self.longcontext_tags().items() if suite in (None, name)
+                for run in self.longcontext_runs()]
+
+    def longcontext_overrides(self, tag: str) -> str:
+        """The Hydra overrides of the suite whose result tag is `tag`."""
+        name = self.longcontext_tags()[tag]
+        return " ".join([f"longcontext.suite={name}"]
+                        + hydra_overrides(f"longcontext.{name}", self.longcontext_suites()[name]))
+
+    def zeroshot_settings(self) -> dict:
+        return settings_of(ZeroshotConfig, self.config["zeroshot"], "zeroshot",
+                           drop=("palu", "baselines", "kvquant_bits"))
+
+    def zeroshot_files(self) -> list[str]:
+        s = self.zeroshot_settings()
+        return [str(naming.zeroshot_path(self.results, self.model, run, s["source"], s["limit"],
+                                         self.dtype)) for run in self.zeroshot_runs()]
+
+    def zeroshot_pattern(self) -> str:
+        s = self.zeroshot_settings()
+        return str(naming.zeroshot_path(self.results, self.model, "{run}", s["source"], s["limit"],
+                                        self.dtype))
+
+    def zeroshot_overrides(self) -> str:
+        return " ".join(hydra_overrides("zeroshot", self.zeroshot_settings()))
+
+    def kvquant_specs(self) -> list[KVQuantSpec]:
+        k = (self.config.get("quantization") or {}).get("kvquant")
+        if not k:
+            return []
+        return [KVQuantSpec(int(f["bits"]), f.get("weighting", "fisher"),
+                            float(f.get("outlier_fraction", k["outlier_fraction"])))
+                for f in k["fits"]]
+
+    def kvquant_ktag(self) -> str:
+        """The calibration windows KVQuant's codebooks are fitted on (the state's lineage)."""
+        cal, k = self.calibration, self.kvquant_settings(self.kvquant_specs()[0])
+        return naming.kvquant_calibration_tag(cal["corpus"], k["samples"], k["seqlen"], k["seed"],
+                                              self.dtype, cal["bos"])
+
+    def kvquant_state(self, spec: KVQuantSpec) -> str:
+        return str(naming.kvquant_dir(self.work, self.model, self.kvquant_ktag(), spec.tag))
+
+    def kvquant_settings(self, spec: KVQuantSpec) -> dict:
+        """The fitting settings of `spec`'s state: the grid's `quantization.kvquant` block (windows,
+        tokens) over the schema, the spec's bits / weighting / outliers."""
+        given = {**self.config["quantization"]["kvquant"], "bits": spec.bits,
+                 "weighting": spec.weighting, "outlier_fraction": spec.outlier_fraction}
+        settings = settings_of(KVQuantConfig, given, "quantization.kvquant", drop=("fits",))
+        settings.pop("activations")         # the rule passes the capture it fits from
+        return settings
+
+    def kvquant_overrides(self, spec: KVQuantSpec) -> str:
+        return " ".join(hydra_overrides("kvquant", self.kvquant_settings(spec)))
+
+    def kvquant_states(self) -> dict[str, KVQuantSpec]:
+        """Every fitted state the grid needs, by its tag (the fit_kvquant rule's wildcard)."""
+        return {spec.tag: spec for spec in self.kvquant_specs()}
+
+    def _configured_methods(self, confs) -> dict[str, dict]:
+        from palu.methods import build_method
+        out = {}
+        for conf in confs or []:
+            method = build_method(conf)
+            if hasattr(method, "checkpoint") or hasattr(method, "state"):
+                raise ValueError(f"grid methods: {conf} needs a checkpoint or fitted state; Palu "
+                                 "runs come from the Palu entries, KVQuant from quantization.kvquant")
+            out[method.tag] = dict(conf)
+        return out
+
+    def method_runs(self) -> dict[str, dict]:
+        """The grid's `methods:` list (method configs: a name and its fields) by tag: cache
+        methods evaluated beside the FP16 baseline in the baseline table. A method is added to
+        the default tables by one line here, no code."""
+        return self._configured_methods(self.config.get("methods"))
+
+    def quantization_baselines(self) -> dict[str, dict]:
+        """The quantization table's baselines that need no fitted state (Atom, KIVI, ...)."""
+        return self._configured_methods((self.config.get("quantization") or {}).get("baselines"))
+
+    def figure_specs(self) -> list[PaluSpec]:
+        """rank_allocation.png: the allocations of `rank_figure.rank_methods` (or one
+        `rank_method`) at one kept ratio and group size, one panel each."""
+        f = self.config["rank_figure"]
+        methods = f.get("rank_methods", [f["rank_method"]] if "rank_method" in f else [])
+        if not methods:
+            raise ValueError("grid rank_figure needs rank_methods (a list) or rank_method")
+        group = self.group(f["group_size"])
+        return [PaluSpec("whitened", m, float(f["kept_ratio"]), group) for m in methods]
+
+    def memory_spec(self) -> PaluSpec:
+        m = self.config["memory"]
+        return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
+
+    def memory_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict]:
+        """Runs whose cache bytes and generated text the cache_memory table shows at a long
+        prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
+        `memory.methods`, and KVQuant at `memory.kvquant_bits` (when the quantization table fits it)."""
+        m, base = self.config["memory"], self.memory_spec()
+        palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
+                for b in m.get("bits", [16])]
+        out: dict = {"fp16": None, **{self.run_name(s): s for s in palu}}
+        out.update(self._configured_methods(m.get("methods")))
+        kv = [s for s in self.kvquant_specs() if s.bits == m.get("kvquant_bits")]
+        out.update({self.run_name(s): s for s in kv[:1]})
+        return out
+
+    def memory_files(self) -> list[str]:
+        m = self.config["memory"]
+        return [str(naming.memory_path(self.results, self.model, run, m["context"], m["corpus"]))
+                for run in self.memory_runs()]
+
+    def outlier_checkpoints(self) -> list[str]:
+        """latent_outliers.png: the hadamard table's checkpoint under each of its rotations."""
+        h = self.config.get("hadamard")
+        if not h:
+            return []
+        group = self.group(h["group_size"])
+        return [self.checkpoint(PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]),
+                                         group, 16, r)) for r in h["rotations"]]
