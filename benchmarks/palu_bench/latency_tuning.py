@@ -7,19 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .latency import _bench, _rel_err, _row, palu_case
-
-
-def tune_params(variant) -> dict:
-    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
-    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
-    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
-    if isinstance(variant, dict):
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
-    if len(variant) != 4:
-        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
-                         "nor a mapping of palu_decode keywords")
-    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
+from .latency import _bench, _rel_err, _row, palu_case, tune_params
 
 
 def tune_plan(cfg) -> list[tuple[dict, list]]:

@@ -9,11 +9,15 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
 from palu.quant.packed import QuantLatent, as_groups, dequantize_latent, quantize_latent  # noqa: E402
-from palu_kernels.palu_decode import (one_pass_options, one_pass_tiles, palu_decode, programs_per_sm,  # noqa: E402
-                                 qproj_int_default, qproj_options, qproj_pair_default, values_splits)
+from palu_kernels.launch_defaults import (one_pass_options, one_pass_tiles, programs_per_sm,  # noqa: E402
+                                          qproj_int_default, qproj_options, qproj_pair_default,
+                                          values_splits)
+from palu_kernels.palu_decode import palu_decode  # noqa: E402
 from palu_kernels.reference import latent_decode_reference  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter (TRITON_INTERPRET=1, the tests' default) runs on CPU tensors; TRITON_INTERPRET=0
+# on a GPU host runs the compiled kernels on the GPU
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
 def _case(B, G, s, n_rep, T, rk, rv, D=32, rope=True, seed=0):
@@ -95,6 +99,7 @@ def test_scores_chunk_loop_is_chosen_by_the_compiled_shared_memory(shared, loope
     # The GPU-only branch of `_dynamic_chunks`, compiler and device faked: the unrolled variant
     # is compiled once per specialisation and replaced by the loop when it would not fit an SM.
     import types
+    import palu_kernels.decode_policy as policy
     import palu_kernels.palu_decode as pd
     warmups, launches = [], []
 
@@ -111,9 +116,10 @@ def test_scores_chunk_loop_is_chosen_by_the_compiled_shared_memory(shared, loope
             return lambda *args, **meta: None
 
     props = types.SimpleNamespace(multi_processor_count=132, shared_memory_per_block_optin=232448)
-    monkeypatch.setattr(pd, "_scores", FakeScores())
-    monkeypatch.setattr(pd, "_use_asm", lambda dev: True)
-    monkeypatch.setattr(pd, "_DYNAMIC", {})
+    for module in (pd, policy):      # the launcher and the policy that compiles to decide
+        monkeypatch.setattr(module, "_scores", FakeScores())
+        monkeypatch.setattr(module, "_use_asm", lambda dev: True)
+    monkeypatch.setattr(policy, "_DYNAMIC", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
     monkeypatch.setattr(pd, "_launch_combine", lambda *a: None)
     monkeypatch.setattr(pd, "_values", NoValues())
