@@ -3,6 +3,7 @@
 Importing palu changes nothing in transformers; `compress` / `load_compressed` install Palu
 attention into the model you pass.
 """
+from . import calib, recover   # subpackages the README uses as palu.calib.*, palu.recover.*
 from .attention.install import install_palu
 from .cache.graph_cache import GraphLatentCache
 from .cache.latent_cache import LatentCache

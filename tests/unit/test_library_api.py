@@ -87,3 +87,15 @@ def test_evaluate_text_through_a_method_cache_matches_the_uncached_model(tmp_pat
 def test_evaluate_text_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         palu.evaluate_text(tiny_llama(0), tiny_tokenizer(), progress=False, **kwargs)
+
+
+def test_the_readme_names_resolve_after_import_palu():
+    """What the README calls after `import palu` alone: the sweep statistics from palu.calib, LoRA
+    recovery from palu.recover, the allocator orchestration and the suite registry."""
+    import subprocess
+    import sys
+    code = ("import palu; palu.calib.collect_grams; palu.calib.collect_fisher; palu.calib.FisherWindows; "
+            "palu.recover.recover; palu.recover.LoraRecovery; "
+            "from palu.decompose.allocation import allocate_ranks; from palu.eval.suites import SUITES; "
+            "assert set(SUITES) >= {'needles', 'qasper', 'longbench', 'ruler'}")
+    subprocess.run([sys.executable, "-c", code], check=True)

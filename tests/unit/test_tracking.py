@@ -208,3 +208,23 @@ def test_the_lineage_command_lists_runs_and_names_a_missing_folder(tmp_path, mon
                            capture_output=True, text=True, env=env)
     assert empty.returncode != 0 and "no offline W&B runs" in empty.stderr + empty.stdout
     assert len(run_folders(t.dir)) == 3
+
+
+def test_lineage_of_a_tables_markdown_and_of_a_result_no_step_made(tmp_path, monkeypatch):
+    """A table's .md is written beside its .csv by one collect step: its lineage is the CSV's. A
+    result no tracked step made is named with how to record it; a run folder a killed step left
+    without a log is skipped, not a crash."""
+    monkeypatch.chdir(tmp_path)
+    t, a, b, c = _three_steps(tmp_path)
+    table = tmp_path / "tables" / "baseline.csv"
+    table.parent.mkdir()
+    with tracked_step(t, {}, "collect", "tables/baseline", "m", used={"metrics": [str(c)]}) as wb:
+        _write(table, "ppl\n12.5\n")
+        table.with_suffix(".md").write_text("| ppl |")
+        wb.make("table", table)
+    tree = lineage(table.with_suffix(".md"), read_runs(t.dir))
+    assert (tree.kind, tree.path, tree.inputs[0].kind) == ("table", str(table), "metrics")
+    with pytest.raises(ValueError, match=r"no tracked step made .*rerun its step here"):
+        lineage(tmp_path / "a" / "weights.bin", read_runs(t.dir))
+    (Path(t.dir) / "wandb" / "offline-run-20260101_000000-deadbeef" / "files").mkdir(parents=True)
+    assert len(read_runs(t.dir)) == 4

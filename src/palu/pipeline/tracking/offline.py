@@ -97,8 +97,9 @@ def _is_media_field(key: str, media: dict) -> bool:
 
 
 def run_folders(wandb_dir: str | Path) -> list[Path]:
-    """The offline run folders under a `tracking.dir`."""
-    return sorted((Path(wandb_dir) / "wandb").glob("offline-run-*"))
+    """The offline run folders under a `tracking.dir` that hold a run log (a step killed before
+    W&B wrote its first record leaves a folder without one: nothing to read)."""
+    return sorted(f for f in (Path(wandb_dir) / "wandb").glob("offline-run-*") if any(f.glob("*.wandb")))
 
 
 def read_runs(wandb_dir: str | Path) -> list[OfflineRun]:
@@ -129,15 +130,24 @@ class LineageNode:
     inputs: list["LineageNode"] = field(default_factory=list)
 
 
+def _kinds_made(path: str | Path, runs: list[OfflineRun]) -> set[str]:
+    target = Path(path).resolve()
+    return {art["type"] for run in runs for art in run.made
+            if Path(art["metadata"].get("path", "")).resolve() == target}
+
+
 def lineage(path: str | Path, runs: list[OfflineRun], kind: str | None = None) -> LineageNode:
     """The tree of what an output was made from: its producer's inputs, recursively. `kind` is
     the artifact's type; by default the one its producer logged it as."""
     if kind is None:
-        target = Path(path).resolve()
-        kinds = {art["type"] for run in runs for art in run.made
-                 if Path(art["metadata"].get("path", "")).resolve() == target}
+        kinds = _kinds_made(path, runs)
+        if not kinds and Path(path).suffix == ".md" and _kinds_made(Path(path).with_suffix(".csv"), runs):
+            path = Path(path).with_suffix(".csv")     # a table's markdown view is written with its CSV
+            kinds = _kinds_made(path, runs)
         if len(kinds) != 1:
-            raise ValueError(f"no tracked step made {path}" if not kinds else
+            raise ValueError(f"no tracked step made {path} (a result committed to git or copied in "
+                             "was made elsewhere: rerun its step here, e.g. `snakemake -f <path>`, "
+                             "to record its lineage)" if not kinds else
                              f"{path} was logged as several kinds {sorted(kinds)}; pass one")
         kind = kinds.pop()
     return _node(kind, artifact_name(kind, path), str(path), None, runs, set())
