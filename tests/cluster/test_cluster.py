@@ -27,7 +27,7 @@ SITE = ["--slurm-status-command", "squeue"]      # no accounting storage on the 
 
 
 def _snakemake(*args, check=True):
-    proc = subprocess.run([SNAKEMAKE, *args], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([SNAKEMAKE, *args], cwd=ROOT, capture_output=True, text=True)
     out = proc.stdout + proc.stderr
     if check:
         assert proc.returncode == 0, out[-4000:]

@@ -13,7 +13,7 @@ def _run(step, *overrides, tmp_path):
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", f"palu.pipeline.cli.{step}", f"paths.work={TEST_WORK}", "tracking=disabled",
            f"paths.results={tmp_path}", f"out={out}", "progress=false", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     return proc, out
 
 

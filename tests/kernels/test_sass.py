@@ -14,7 +14,7 @@ def test_one_pass_kernel_with_inline_ptx_compiles_for_sm90():
     # A fresh process: this test session imports the kernels under the Triton interpreter.
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-m", "palu_bench.sass"], capture_output=True, text=True,
-                         env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
+                         env=env, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {(int(line.split()[0]), line.split()[1]): line for line in out.stdout.splitlines()[2:]}
     assert set(rows) == {(16, "fp16"), (8, "fp16"), (8, "int8"), (4, "fp16"), (4, "int8"),
@@ -35,7 +35,7 @@ def test_large_rank_scores_loop_over_chunks_to_fit_shared_memory():
             "c(4, 2048, True, True).metadata.shared)")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[2], timeout=600)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     unrolled, rope_loop, rope_int4_loop = map(int, out.stdout.split())
     limit = 232448   # bytes per block on an H100/H200 SM
@@ -49,7 +49,7 @@ def test_folded_query_int8_dots_compile_to_int8_tensor_core_instructions():
             "print(' '.join(loop_profile(compile_qproj(4, 256, True))['ops']))")
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[2], timeout=600)
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     ops = set(out.stdout.split())
     assert ops & {"IGMMA", "IMMA"} and not ops & {"HGMMA", "HMMA"}

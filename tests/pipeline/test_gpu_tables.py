@@ -99,7 +99,7 @@ def test_decode_benchmark_rejects_bad_configs_before_gpu_work(change, message):
 def test_decode_entry_point_without_gpu_fails_clearly(tmp_path):
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, "-m", "palu_bench.cli.decode_e2e", f"out={out}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
     assert proc.returncode != 0
     assert "needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not out.exists()

@@ -28,7 +28,7 @@ def test_sigterm_to_a_rules_shell_ends_its_step_and_leaves_no_output(prepared_mo
                              f"work={rel}", f"results={rel}/results", "--", target],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        shell, deadline = None, time.time() + 120
+        shell, deadline = None, time.time() + 3600   # a guard against a hang, not a speed limit
         while shell is None and time.time() < deadline:
             for child in psutil.Process(proc.pid).children():      # the rule's shell
                 if any("palu.pipeline.cli.evaluate" in c for c in [" ".join(child.cmdline())]):
@@ -40,7 +40,7 @@ def test_sigterm_to_a_rules_shell_ends_its_step_and_leaves_no_output(prepared_mo
                  and "python" in p.name()]
         assert steps, [p.cmdline() for p in [shell, *shell.children(recursive=True)]]
         shell.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate()
         assert proc.returncode != 0
         time.sleep(3)
         alive = [p for p in steps if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

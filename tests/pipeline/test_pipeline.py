@@ -19,7 +19,7 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 def _snakemake(*args):
     proc = subprocess.run([SNAKEMAKE, "--cores", "2", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
+                          text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
