@@ -92,3 +92,32 @@ def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
     assert frame.loc[["fp16", "u5", "f5", "u3", "f3"], "reference2"].isna().all()
     text = to_markdown(build_table(paths, table="rank_allocation"), "t")
     assert "| p5 " in text.split("## Paired against the second reference")[1] and "worse" in text
+
+
+def test_bits_and_rotations_are_paired_and_the_main_view_shows_each_interval(tmp_path):
+    """latent_bits: every width against the same checkpoint unquantised; hadamard: a rotation
+    against no rotation at the same width (unpaired intervals overlap where the pair does not)."""
+    from palu.pipeline.reporting.tables import build_table, to_markdown
+    rng = np.random.default_rng(4)
+    hard = list(rng.gamma(2.0, 1.5, size=16) * 128)
+
+    def palu_run(method, bits, rotation, shift):
+        path = _run(tmp_path, method, [h + shift * 128 + rng.normal(0, 0.02 * 128) for h in hard])
+        data = json.loads(Path(path).read_text())
+        data["metrics"].update(kept_ratio_target=0.5, group_size=3, rank_method="uniform",
+                               decomposition="whitened", kv_bits=bits, rotation=rotation)
+        Path(path).write_text(json.dumps(data))
+        return path
+    paths = [_run(tmp_path, "fp16", hard), palu_run("p16", 16, "none", 0.3),
+             palu_run("p3", 3, "none", 0.4), palu_run("p3-rot", 3, "hadamard", 0.35)]
+    bits = build_table(paths, table="latent_bits").set_index("method")
+    assert bits.loc["p3", "reference"] == "p16" and bits.loc["p3", "ref_significant"]
+    assert bits.loc["p3", "diff_vs_ref"] > 0 and bits.loc[["fp16", "p16"], "reference"].isna().all()
+    rot = build_table(paths, table="hadamard").set_index("method")
+    assert rot.loc["p3-rot", "reference"] == "p3" and rot.loc["p3-rot", "ref_hi"] < 0
+    assert rot.loc[["p16", "p3"], "reference"].isna().all()
+    text = to_markdown(build_table(paths, table="hadamard"), "t")
+    r = rot.loc["p3-rot"]
+    assert f"Δ{r.diff_vs_fp16:+.2f} [{r.diff_lo:+.2f}, {r.diff_hi:+.2f}]" in text.split("## Paired")[0]
+    main = text.split("## Paired")[0]
+    assert main.index("| fp16") < main.index("| p16") < main.index("| p3 ") < main.index("| p3-rot")

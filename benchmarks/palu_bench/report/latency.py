@@ -51,10 +51,17 @@ def latency_markdown(frame: pd.DataFrame, ceilings: dict) -> str:
             "times are CUDA-graph replays; Palu rows are the attention core only (the fused o_proj "
             "is not included). Full columns (bytes, FLOPs, TB/s, TFLOP/s, roofline) in latency.csv. "
             "A configuration timed by several runs shows the newest run's row (`created` in "
-            "latency.csv); each row's speed-up is over the SDPA of its own run.\n\n"
-            f"{head.reset_index().to_markdown(index=False, floatfmt='.1f')}\n\n"
+            "latency.csv); each row's speed-up is over the SDPA of its own run. `—`: not timed at "
+            "that length (eager attention is not timed past 64K).\n\n"
+            f"{_dash(head.reset_index().to_markdown(index=False, floatfmt='.1f'))}\n\n"
             "## Configurations the kernel rejects\n\n"
             f"{fails.to_markdown(index=False) if len(fails) else 'none'}\n")
+
+
+def _dash(markdown: str) -> str:
+    """A configuration not timed at a length reads `—`, not `nan` (same width: the columns stay)."""
+    import re
+    return re.sub(r"(?<=[| ])nan(?= *\|)", "  —", markdown)
 
 
 def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:

@@ -91,6 +91,7 @@ def add_paired_differences(frame: pd.DataFrame, blocks: list) -> pd.DataFrame:
     return frame
 
 
+_SAME_CHECKPOINT_AND_BITS = ["corpus", "kept_ratio_target", "group_size", "rank_method", "decomposition", "kv_bits"]
 # Tables that compare variants of one setting pair each row with its reference variant:
 # table -> (column, the reference's value, the columns a row shares with its reference)
 REFERENCES = {
@@ -100,9 +101,18 @@ REFERENCES = {
                                    "decomposition"]),
     # a (rank, bits) allocation against the uniform checkpoint whose latent bytes are its budget
     "byte_budget": ("rank_method", "uniform", ["corpus", "group_size", "byte_ratio_target"]),
+    # each latent width against the same checkpoint's unquantised latents
+    "latent_bits": ("kv_bits", 16, ["corpus", "kept_ratio_target", "group_size", "rank_method",
+                                    "decomposition", "rotation"]),
+    # a rotated checkpoint against the unrotated one at the same latent width
+    "hadamard": ("rotation", "none", _SAME_CHECKPOINT_AND_BITS),
+    "quantization": ("rotation", "none", _SAME_CHECKPOINT_AND_BITS),
 }
 # what a table's pairs share, where it is not "corpus, kept ratio and granularity"
-PAIRING = {"byte_budget": "same corpus, granularity and latent bytes"}
+PAIRING = {"byte_budget": "same corpus, granularity and latent bytes",
+           "latent_bits": "same corpus and checkpoint, its latents unquantised",
+           "hadamard": "same corpus, checkpoint settings and latent bits, no rotation",
+           "quantization": "Palu rows with a rotation: the same checkpoint settings and latent bits, no rotation"}
 # columns a table shows beyond COLUMNS (its pairing reads them)
 EXTRA_COLUMNS = {"byte_budget": ["byte_ratio_target"]}
 # ... and some against a second reference: rank_allocation's own allocators against the paper's
@@ -181,10 +191,10 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
         sizes = frame.groupby("method")[["effective_bits", "compression_vs_fp16"]].first()
         pivot = pivot.join(sizes.rename(columns={"effective_bits": "bits/element",
                                                  "compression_vs_fp16": "x vs FP16"}))
-        pivot = pivot.sort_values("bits/element", ascending=False)
+    pivot = pivot.reindex(row_order(frame))
     note = ("Cells: ppl [95% interval over the run's 128-token blocks] and, for a compressed row, its "
-            "paired difference to FP16 on the same blocks (95% paired bootstrap; \"~\": the interval "
-            "contains 0, not a change). " if intervals else "")
+            "paired difference to FP16 on the same blocks with its 95% paired bootstrap interval (\"~\": "
+            "the interval contains 0, not a change). " if intervals else "")
     return (f"# {title}\n\nPerplexity (lower is better); every number was produced by the pipeline "
             f"from the run files in results/runs/. {note}Corpora marked as stand-ins are embedded "
             f"substitutes, not the paper's corpora.\n\n"
@@ -215,8 +225,21 @@ def _cell(r) -> str:
         return f"{r['ppl']:.3f}"
     text = f"{r['ppl']:.2f} [{r['ppl_lo']:.2f}, {r['ppl_hi']:.2f}]"
     if not math.isnan(r["diff_vs_fp16"]):
-        text += f" Δ{r['diff_vs_fp16']:+.2f}" + ("" if r["significant"] else " ~")
+        text += (f" Δ{r['diff_vs_fp16']:+.2f} [{r['diff_lo']:+.2f}, {r['diff_hi']:+.2f}]"
+                 + ("" if r["significant"] else " ~"))
     return text
+
+
+def row_order(frame: pd.DataFrame) -> list[str]:
+    """Methods in reading order: FP16, then by family, kept ratio (high first), group size,
+    allocator, objective, rotation (none first), recovery, bits per element (high first)."""
+    keyed = frame.assign(_fp16=frame["method"] != "fp16", _kept=-frame["kept_ratio_target"].fillna(2),
+                         _bits=-frame["effective_bits"].fillna(16),
+                         _rotation=frame["rotation"].fillna("").replace("none", ""))
+    keys = ["_fp16", "family", "_kept", "group_size", "rank_method", "decomposition", "_rotation",
+            "recovery", "_bits", "method"]
+    keyed = keyed.sort_values([k for k in keys if k in keyed], na_position="first", kind="stable")
+    return list(dict.fromkeys(keyed["method"]))
 
 
 def write_table(frame: pd.DataFrame, prefix: str | Path, title: str) -> None:
