@@ -139,20 +139,38 @@ def hf_markdown(hf: dict) -> str:
 
 
 def memory_figure(frame: pd.DataFrame, out: str | Path) -> None:
-    ok = frame[frame["error"].isna()]
-    fig, (mem, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for variant, grp in ok.groupby("variant", observed=True):
-        style = dict(marker="o", ls="-" if bool(grp["rope"].iloc[0]) else "--", label=str(variant))
-        mem.plot(grp["context"], grp["peak_bytes"] / 2 ** 30, **style)
-        lat.plot(grp["context"], grp["seconds_per_token"] * 1e3, **style)
+    """Peak memory (left) and time per token (right) against context. A colour is one cache format
+    (dense fp16, or Palu at a group size and latent width), in both panels; the line style says
+    RoPE (solid) or not (dashed). Memory does not depend on RoPE, so the left panel draws each
+    format once (the RoPE variant where it ran)."""
+    from matplotlib.lines import Line2D
+    ok = frame[frame["error"].isna()].copy()
+    ok["format"] = ok["variant"].astype(str).str.replace("-norope", "", regex=False)
+    formats = list(dict.fromkeys(ok["format"]))
+    colour = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}
+    fig, (mem, lat) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for fmt in formats:
+        grp = ok[ok["format"] == fmt]
+        one = grp[grp["rope"].astype(bool)] if grp["rope"].astype(bool).any() else grp
+        one = one[one["variant"] == one["variant"].iloc[0]].sort_values("context")
+        mem.plot(one["context"], one["peak_bytes"] / 2 ** 30, marker="o", color=colour[fmt], label=fmt)
+        for variant, v in grp.groupby("variant", observed=True):
+            v = v.sort_values("context")
+            lat.plot(v["context"], v["seconds_per_token"] * 1e3, marker="o", color=colour[fmt],
+                     ls="-" if bool(v["rope"].iloc[0]) else "--")
     for ax, label in ((mem, "peak GPU memory (GiB, weights included)"), (lat, "ms per generated token")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    mem.set_title("Llama-2-7B shapes, batch 1: memory vs context")
-    lat.set_title("decode latency (CUDA graph; dashed: no RoPE)")
-    lat.legend(fontsize=7, ncol=2)
+    mem.set_title("Llama-2-7B shapes, batch 1: peak memory (the same with or without RoPE)", fontsize=10)
+    lat.set_title("decode latency (CUDA graph)", fontsize=10)
+    mem.legend(fontsize=7, title="cache format", title_fontsize=7)
+    mem.text(0.98, 0.02, "one latent width stores the same bytes at any group size\n(those lines overlap)",
+             transform=mem.transAxes, ha="right", va="bottom", fontsize=7, color="0.35")
+    lat.legend(handles=[Line2D([], [], color=colour[f], marker="o", label=f) for f in formats]
+               + [Line2D([], [], color="black", ls="-", label="RoPE"),
+                  Line2D([], [], color="black", ls="--", label="no RoPE")], fontsize=7, ncol=2)
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=130, format="png")

@@ -65,21 +65,32 @@ def _dash(markdown: str) -> str:
 
 
 def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
+    """Speed-up over SDPA against context, a panel per shape and RoPE / no RoPE: a line per latent
+    width at its best group size, and a band spanning every group size timed (the spread the
+    choice of group size makes; uniform K/V split, batch 1). Log scale: 0.5x and 2x are as far
+    from parity."""
     ok = frame[frame["error"].isna() & (frame["batch"] == 1) & frame["variant"].str.startswith("palu")]
     shapes = sorted(ok["shape"].unique())
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
-        sub = ok[(ok["shape"] == shape) & (ok["split"] == "uniform")]
-        for (rope, bits), grp in sub.groupby(["rope", "bits"]):
-            best = grp.groupby("length")["speedup"].max()
-            ax.plot(best.index, best.values, marker="o",
-                    label=f"{'RoPE' if rope else 'no RoPE'}, {'fp16' if bits == 16 else f'int{int(bits)}'} latents")
-        ax.axhline(1.0, color="grey", ls="--", lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("speed-up over torch SDPA (best group size)")
-        ax.set_title(f"{shape}: Palu-50% decode attention")
-        ax.legend(fontsize=8)
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 7.6), squeeze=False, sharex=True)
+    for col, shape in enumerate(shapes):
+        for row, rope in enumerate((False, True)):
+            ax = axes[row][col]
+            sub = ok[(ok["shape"] == shape) & (ok["split"] == "uniform") & (ok["rope"].astype(bool) == rope)]
+            for k, (bits, grp) in enumerate(sub.groupby("bits")):
+                colour = plt.get_cmap("tab10")(k % 10)
+                by = grp.groupby("length")["speedup"]
+                ax.fill_between(by.min().index, by.min().values, by.max().values, color=colour, alpha=0.18, lw=0)
+                ax.plot(by.max().index, by.max().values, marker="o", color=colour,
+                        label=f"{'fp16' if bits == 16 else f'int{int(bits)}'} latents")
+            ax.axhline(1.0, color="grey", ls="--", lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log", base=2)
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.set_ylabel("speed-up over torch SDPA")
+            ax.set_title(f"{shape}, {'RoPE' if rope else 'no RoPE'}: Palu-50% decode attention", fontsize=10)
+            ax.legend(fontsize=8, title="line: best group size; band: every group size", title_fontsize=7)
+            if row == 1:
+                ax.set_xlabel("context length (tokens)")
     fig.tight_layout()
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=130, format="png")

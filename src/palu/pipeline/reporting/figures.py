@@ -91,47 +91,91 @@ def pareto_front(bits: np.ndarray, ppl: np.ndarray) -> np.ndarray:
     return np.array(front, dtype=int)
 
 
-def ppl_vs_bytes_figure(table_csv: str | Path, out: str | Path, clip: float = 4.0) -> None:
+def ppl_vs_bytes_figure(table_csv: str | Path, out: str | Path, zoom: float = 2.0) -> None:
     """Perplexity against the effective bits per K/V element each cache really stored (metadata
-    and exact tokens included), one panel per corpus, the Pareto front drawn. Points above `clip`
-    x the FP16 perplexity are drawn at the top edge with their value."""
+    and exact tokens included), the Pareto front drawn, per corpus two panels: every method on a
+    logarithmic perplexity axis (a collapsed method at its value, not clipped), and the methods
+    within `zoom` x FP16's perplexity on a linear axis, each labelled without overlap."""
     import pandas as pd
     frame = pd.read_csv(table_csv)
     if frame["effective_bits"].isna().any():
         missing = frame.loc[frame["effective_bits"].isna(), "method"].tolist()
         raise ValueError(f"{table_csv}: rows without measured bytes: {missing}")
     corpora = sorted(frame["corpus"].unique())
-    fig, axes = plt.subplots(1, len(corpora), figsize=(6.4 * len(corpora), 4.8), squeeze=False)
-    for ax, corpus in zip(axes[0], corpora):
+    fig, axes = plt.subplots(len(corpora), 2, figsize=(14, 5.8 * len(corpora)), squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 1.35]})
+    for (whole, near), corpus in zip(axes, corpora):
         part = frame[frame["corpus"] == corpus].reset_index(drop=True)
         bits, ppl = part["effective_bits"].to_numpy(float), part["ppl"].to_numpy(float)
         fp = part.loc[part["method"] == "fp16", "ppl"]
-        top = clip * (fp.iloc[0] if len(fp) else np.median(ppl))
-        seen = set()
-        for k, row in part.iterrows():
-            fam = _family_label(row)
-            marker, colour = FAMILY_STYLE.get(fam, ("x", "gray"))
-            y = min(ppl[k], top)
-            ax.scatter(bits[k], y, marker=marker, color=colour, s=46, zorder=3,
-                       label=None if fam in seen else fam)
-            seen.add(fam)
-            label = _short(row) + ("" if ppl[k] <= top else f" ({ppl[k]:.0f}, off scale)")
-            ax.annotate(label, (bits[k], y), fontsize=5.5, xytext=(3, 2), textcoords="offset points")
+        ref = fp.iloc[0] if len(fp) else float(np.min(ppl))
+        labels = [_short(r) for _, r in part.iterrows()]
+        inside = ppl <= zoom * ref
         front = pareto_front(bits, ppl)
-        ax.step(bits[front], np.minimum(ppl[front], top), where="post", color="gray", lw=1, ls="--",
-                label="Pareto front", zorder=2)
-        if len(fp):
-            ax.axhline(fp.iloc[0], color="black", lw=0.6, ls=":")
-        ax.set_xscale("log", base=2)
-        ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8, 16) if bits.min() * 0.9 <= t <= bits.max() * 1.1]
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        ax.set_ylim(top=top * 1.08)
-        ax.set_xlabel("effective bits per K/V element (measured bytes x 8 / elements, log scale)")
-        ax.set_ylabel("perplexity")
-        ax.set_title(f"{corpus}, {int(part['seqlen'].iloc[0])}-token windows")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7, loc="upper right")
+        for ax in (whole, near):
+            seen = set()
+            for k, row in part.iterrows():
+                if ax is near and not inside[k]:
+                    continue
+                fam = _family_label(row)
+                marker, colour = FAMILY_STYLE.get(fam, ("x", "gray"))
+                ax.scatter(bits[k], ppl[k], marker=marker, color=colour, s=46, zorder=3,
+                           label=None if fam in seen else fam)
+                seen.add(fam)
+            ax.step(bits[front], ppl[front], where="post", color="gray", lw=1, ls="--",
+                    label="Pareto front", zorder=2)
+            ax.axhline(ref, color="black", lw=0.6, ls=":")
+            ax.set_xscale("log", base=2)
+            ticks = [t for t in (1, 1.5, 2, 3, 4, 6, 8, 16) if bits.min() * 0.9 <= t <= bits.max() * 1.1]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.grid(alpha=0.3, which="major")
+            ax.set_xlabel("effective bits per K/V element (measured bytes x 8 / elements, log scale)")
+        whole.set_yscale("log")
+        yticks = [t for t in (20, 30, 50, 100, 200, 500, 1000, 2000) if ppl.min() * 0.8 <= t <= ppl.max() * 1.25]
+        whole.set_yticks(yticks, [f"{t:g}" for t in yticks])
+        whole.yaxis.set_minor_formatter(plt.NullFormatter())
+        whole.set_ylabel("perplexity (log scale)")
+        whole.set_title(f"{corpus}: every method")
+        whole.axhspan(ref * 0.95, zoom * ref, color="0.9", zorder=0, label=f"right panel (≤ {zoom:g}x FP16)")
+        whole.legend(fontsize=7, loc="upper right")
+        collapsed = np.flatnonzero(~inside)      # the collapsed ones, named where they are
+        _place_labels(whole, bits[collapsed], ppl[collapsed], [f"{labels[k]} ({ppl[k]:.0f})" for k in collapsed],
+                      others=(bits, ppl))
+        near.set_ylim(ref * 0.95, zoom * ref)
+        near.set_ylabel("perplexity")
+        near.set_title(f"{corpus}, {int(part['seqlen'].iloc[0])}-token windows: within {zoom:g}x FP16")
+        idx = np.flatnonzero(inside)
+        _place_labels(near, bits[idx], ppl[idx], [labels[k] for k in idx])
     _save(fig, out)
+
+
+def _place_labels(ax, xs, ys, texts, fontsize: float = 7, others=None) -> None:
+    """Each text near its point at the first of a few offsets (right, above, below, left, then
+    further out) where it overlaps no label already placed and no point (`others`: more points,
+    unlabelled, to keep clear of); a leader line joins a label set away from its point."""
+    from matplotlib.transforms import Bbox
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer, pt = fig.canvas.get_renderer(), 72.0 / fig.dpi       # display pixels -> points
+    centres = ax.transData.transform(np.column_stack([xs, ys]))
+    marks = centres if others is None else ax.transData.transform(np.column_stack(others))
+    obstacles = [Bbox.from_bounds(x - 5, y - 5, 10, 10) for x, y in marks]
+    steps = [(6, -4), (6, 6), (6, -14), (None, -4), (6, 16), (6, -24), (None, 8), (None, -16),
+             (6, 26), (6, -34), (18, 30), (18, -40), (6, 38), (6, -46)]
+    for i in np.argsort(ys, kind="stable"):
+        probe = ax.annotate(texts[i], (xs[i], ys[i]), fontsize=fontsize)
+        w, h = [v for v in probe.get_window_extent(renderer).size]
+        probe.remove()
+        for dx, dy in steps:
+            dx = -6 - w * pt if dx is None else dx
+            box = Bbox.from_bounds(centres[i][0] + dx / pt, centres[i][1] + dy / pt, w, h)
+            if not any(box.overlaps(o) for o in obstacles):
+                break
+        obstacles.append(box)
+        far = abs(dy) > 8 or dx > 6
+        ax.annotate(texts[i], (xs[i], ys[i]), xytext=(dx, dy), textcoords="offset points",
+                    fontsize=fontsize, zorder=4,
+                    arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5", shrinkA=0, shrinkB=3) if far else None)
 
 
 def _family_label(row) -> str:
@@ -151,6 +195,8 @@ def _short(row) -> str:
     if fam.startswith("palu"):
         rot = "+H" if "hadamard" in fam else ("+R" if "random" in fam else "")
         return f"{int(round((1 - row['kept_ratio_target']) * 100))}%/{bits}b{rot}"
+    if fam == "kvquant" and "-uniform-" in row["method"]:     # the plain k-means ablation
+        return f"{fam}-{bits} (k-means)"
     return f"{fam}-{bits}"
 
 

@@ -141,25 +141,55 @@ def to_markdown(frame: pd.DataFrame, runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def needle_heatmap(paths: list[str], out: str | Path) -> None:
-    """Accuracy by needle depth (rows) x prompt length (columns), one panel per method."""
+FOUND, MISSED = "#2166ac", "#f4a582"      # blue / light orange: apart for red-green colour blindness
+
+
+def needle_heatmap(paths: list[str], out: str | Path, columns: int = 4) -> None:
+    """Needles found by depth (rows) x prompt length (columns), one panel per method, `columns`
+    panels a row. Each cell says how many of its prompts found the needle (k/n); with one prompt
+    a cell the colours are two (found / missed), otherwise a share scale."""
+    import textwrap
+
     import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
     runs = [r for r in _load(paths) if _suite(r) == "needles"]
     if not runs:
         raise ValueError("the needle heatmap needs needle results (longcontext.suite=needles)")
-    fig, axes = plt.subplots(1, len(runs), figsize=(2.6 * len(runs) + 1, 3.2), squeeze=False)
-    for ax, r in zip(axes[0], runs):
-        frame = pd.DataFrame(r["longcontext"]["samples"])
-        grid = frame.pivot_table(index="depth", columns="length", values="score", aggfunc="mean")
-        im = ax.imshow(grid.values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_xticks(range(len(grid.columns)), [f"{int(c)}" for c in grid.columns])
-        ax.set_yticks(range(len(grid.index)), [f"{d:g}" for d in grid.index])
-        for (i, j), v in np.ndenumerate(grid.values):
-            ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=8)
-        ax.set_title(r["summary"]["method"], fontsize=7)
-        ax.set_xlabel("prompt tokens")
-    axes[0][0].set_ylabel("needle depth")
-    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    frames = [pd.DataFrame(r["longcontext"]["samples"]) for r in runs]
+    binary = all(f["score"].isin([0.0, 1.0]).all() and f.groupby(["depth", "length"]).size().max() == 1
+                 for f in frames)
+    cols = min(columns, len(runs))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.5 * cols + 0.6, 2.7 * rows + 0.6), squeeze=False,
+                             sharey=True)
+    cmap = ListedColormap([MISSED, FOUND]) if binary else plt.get_cmap("cividis")
+    for k, (ax, r, frame) in enumerate(zip(axes.flat, runs, frames)):
+        share = frame.pivot_table(index="depth", columns="length", values="score", aggfunc="mean")
+        found = frame.pivot_table(index="depth", columns="length", values="score", aggfunc="sum")
+        count = frame.pivot_table(index="depth", columns="length", values="score", aggfunc="size")
+        im = ax.imshow(share.values, vmin=0, vmax=1, cmap=cmap, aspect="auto")
+        ax.set_xticks(range(len(share.columns)), [f"{int(c)}" for c in share.columns], fontsize=8)
+        ax.set_yticks(range(len(share.index)), [f"{d:g}" for d in share.index], fontsize=8)
+        for (i, j), v in np.ndenumerate(found.values):
+            text = f"{v:g}/{count.values[i, j]}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    color="white" if share.values[i, j] >= 0.5 else "black")
+        ax.set_title(textwrap.fill(r["summary"]["method"].replace("-", "-\u200b"), 24).replace("\u200b", ""),
+                     fontsize=7.5)
+        if k % cols == 0:
+            ax.set_ylabel("needle depth")
+        if k // cols == rows - 1 or k + cols >= len(runs):
+            ax.set_xlabel("prompt tokens", fontsize=8)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.axis("off")
+    if binary:
+        fig.legend(handles=[Patch(color=FOUND, label="needle found"), Patch(color=MISSED, label="missed")],
+                   loc="lower center", ncol=2, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.02))
+    else:
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="share of the needles found")
+    fig.suptitle("Needle retrieval through each cache: found / prompts per depth x length", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04 if binary else 0, 1, 0.97))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=120, bbox_inches="tight")
