@@ -115,7 +115,8 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
              model_id: str = "unknown", progress: bool = True, rotation: str = "none",
              rotation_seed: int = 0, grams: torch.Tensor | None = None,
              fisher_stats: dict | None = None, key_weight: float | str = "auto",
-             probe_windows: torch.Tensor | None = None, head_order: str = "none") -> CompressionResult:
+             probe_windows: torch.Tensor | None = None, head_order: str = "none",
+             allocation: dict | None = None) -> CompressionResult:
     """Compress `model` **in place** (its K/V projections are replaced by Palu attention; pass
     `copy.deepcopy(model)` to keep the original) and return what is needed to save or inspect
     the result. `calibration`: the Gram windows (`calibration_data`). A Fisher rank method
@@ -132,7 +133,11 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
     windows)` (both of the *unmodified* model; `calibration` may then be None).
     `head_order="similarity"` (G-LRD) first permutes each layer's KV heads so that heads with
     similar outputs share a group (decompose/heads.py; the same function, recorded in the
-    checkpoint and applied again by `load_compressed`); "none" keeps the model's order."""
+    checkpoint and applied again by `load_compressed`); "none" keeps the model's order.
+    `allocation`: ranks already allocated (`result.allocation`, or a ranks file's JSON) for this
+    model and group size: the rank search is skipped (no Fisher statistics or probe needed), and
+    its kept ratio, rank method and multiple are the allocation's, so a sweep over the factor
+    objective or rotation reuses one search."""
     geom = geometry_of(model.config)
     check_rope(model.config, "Palu")          # before any work: its latents are rotated when read
     allocator = get_allocator(rank_method)
@@ -147,6 +152,22 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")
         grams = collect_grams(model, calibration, progress)["gram"]
     orders = _reorder(model, grams, group_size, head_order)
+    if allocation is not None:
+        from .artifacts import unseal
+        from .decompose.ranks import check_allocation
+        if "integrity" in allocation:          # a ranks file: refused if edited after it was written
+            allocation = unseal(allocation, "allocation=")
+        check_allocation(allocation, geom, "allocation=")
+        if allocation["group_size"] != group_size:
+            raise ValueError(f"allocation= is for group_size={allocation['group_size']}, not "
+                             f"group_size={group_size}")
+        allocation = {k: v for k, v in allocation.items() if k != "model"}
+        factors, report = decompose_model(model, allocation, grams, decomposition, progress,
+                                          rotation, rotation_seed)
+        manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
+                                  base_hash=base_hash, head_order=orders)
+        install_palu(model, factors, group_size, fuse=fuse)
+        return CompressionResult(allocation, factors, report, manifest)
     stats = None
     if allocator.statistic is not None:
         stats = fisher_stats

@@ -119,3 +119,32 @@ def test_the_svd_signs_are_canonical_so_quantised_latents_do_not_depend_on_the_m
     flipped[..., 0] *= -1
     err = lambda x: (dequantize_latent(quantize_latent(x, 2), torch.float32) - x).pow(2).sum()
     assert err(h).item() != pytest.approx(err(flipped).item(), rel=1e-3)
+
+
+def test_compress_takes_a_precomputed_allocation_and_refuses_one_that_cannot_be_this_models():
+    """allocation= skips the rank search: the same ranks give the same factors (here under another
+    factor objective too); a sealed ranks record that was edited, or one of another group size,
+    is refused."""
+    import copy
+
+    import palu
+    from palu.artifacts import seal
+    from tiny import tiny_llama
+    base = tiny_llama(0).double()
+    calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
+    searched = palu.compress(copy.deepcopy(base), calib, 0.5, 1, "error_aware", multiple=2, progress=False,
+                             fisher_windows=calib)
+    again = palu.compress(copy.deepcopy(base), calib, group_size=1, progress=False,
+                          allocation=seal(dict(searched.allocation)))
+    assert again.allocation["ranks"] == searched.allocation["ranks"]
+    assert again.allocation["method"] == "error_aware"
+    assert all(torch.equal(a, b) for fa, fb in zip(searched.factors, again.factors) for a, b in zip(fa.A_k, fb.A_k))
+    other = palu.compress(copy.deepcopy(base), calib, group_size=1, progress=False, decomposition="plain",
+                          allocation=searched.allocation)
+    assert other.allocation["ranks"] == searched.allocation["ranks"]
+    edited = seal(dict(searched.allocation))
+    edited["ranks"] = [{**r, "rank": r["rank"] + 2} if i == 0 else r for i, r in enumerate(edited["ranks"])]
+    with pytest.raises(Exception, match="edited"):
+        palu.compress(copy.deepcopy(base), calib, group_size=1, progress=False, allocation=edited)
+    with pytest.raises(ValueError, match="group_size"):
+        palu.compress(copy.deepcopy(base), calib, group_size=2, progress=False, allocation=searched.allocation)
