@@ -153,21 +153,37 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         grams = collect_grams(model, calibration, progress)["gram"]
     orders = _reorder(model, grams, group_size, head_order)
     if allocation is not None:
-        from .artifacts import unseal
-        from .decompose.ranks import check_allocation
-        if "integrity" in allocation:          # a ranks file: refused if edited after it was written
-            allocation = unseal(allocation, "allocation=")
-        check_allocation(allocation, geom, "allocation=")
-        if allocation["group_size"] != group_size:
-            raise ValueError(f"allocation= is for group_size={allocation['group_size']}, not "
-                             f"group_size={group_size}")
-        allocation = {k: v for k, v in allocation.items() if k != "model"}
-        factors, report = decompose_model(model, allocation, grams, decomposition, progress,
-                                          rotation, rotation_seed)
-        manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
-                                  base_hash=base_hash, head_order=orders)
-        install_palu(model, factors, group_size, fuse=fuse)
-        return CompressionResult(allocation, factors, report, manifest)
+        allocation = _given_allocation(allocation, geom, group_size)
+    else:
+        allocation = _search_ranks(model, geom, allocator, rank_method, kept_ratio, group_size, multiple,
+                                   grams, fisher_stats, fisher_windows, probe_windows, key_weight,
+                                   orders, progress)
+    factors, report = decompose_model(model, allocation, grams, decomposition, progress,
+                                      rotation, rotation_seed)
+    manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
+                              base_hash=base_hash, head_order=orders)
+    install_palu(model, factors, group_size, fuse=fuse)
+    return CompressionResult(allocation, factors, report, manifest)
+
+
+def _given_allocation(allocation: dict, geom, group_size: int) -> dict:
+    """A precomputed allocation, checked against this model (a sealed ranks file: unsealed, so an
+    edited one is refused)."""
+    from .artifacts import unseal
+    from .decompose.ranks import check_allocation
+    if "integrity" in allocation:
+        allocation = unseal(allocation, "allocation=")
+    check_allocation(allocation, geom, "allocation=")
+    if allocation["group_size"] != group_size:
+        raise ValueError(f"allocation= is for group_size={allocation['group_size']}, not "
+                         f"group_size={group_size}")
+    return {k: v for k, v in allocation.items() if k != "model"}
+
+
+def _search_ranks(model, geom, allocator, rank_method, kept_ratio, group_size, multiple, grams,
+                  fisher_stats, fisher_windows, probe_windows, key_weight, orders, progress) -> dict:
+    """The rank search: the allocator's statistics (collected, or given and put into the head
+    order), then `allocate_ranks`."""
     stats = None
     if allocator.statistic is not None:
         stats = fisher_stats
@@ -184,12 +200,6 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
                          "profiles and probe models are the whitened factors)")
     if probe_windows is None and fisher_windows is not None:
         probe_windows = fisher_windows[:PROBE_WINDOWS]
-    allocation = allocate_ranks(rank_method, kept_ratio, group_size, multiple, geom, stats=stats,
-                                model=model, grams=grams, probe_windows=probe_windows,
-                                key_weight=key_weight, source="fisher_stats")
-    factors, report = decompose_model(model, allocation, grams, decomposition, progress,
-                                      rotation, rotation_seed)
-    manifest = build_manifest(model, model_id, allocation, decomposition, fuse, report, {},
-                              base_hash=base_hash, head_order=orders)
-    install_palu(model, factors, group_size, fuse=fuse)
-    return CompressionResult(allocation, factors, report, manifest)
+    return allocate_ranks(rank_method, kept_ratio, group_size, multiple, geom, stats=stats,
+                          model=model, grams=grams, probe_windows=probe_windows,
+                          key_weight=key_weight, source="fisher_stats")
