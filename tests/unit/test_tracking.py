@@ -177,7 +177,7 @@ def test_the_prepare_step_logs_the_model_folder_by_reference(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (run,) = read_runs(wandb_dir)
-    assert (run.job_type, run.name, run.group) == ("prepare", "models/tiny", "tiny")
+    assert (run.job_type, run.name, run.group) == ("prepare", "work/models/tiny", "tiny")
     assert run.config["model"]["id"] == str(src) and run.config["lineage"] == {"used": []}
     (art,) = run.made
     assert art["type"] == "model" and "config.json" in art["files"]
@@ -228,3 +228,29 @@ def test_lineage_of_a_tables_markdown_and_of_a_result_no_step_made(tmp_path, mon
         lineage(tmp_path / "a" / "weights.bin", read_runs(t.dir))
     (Path(t.dir) / "wandb" / "offline-run-20260101_000000-deadbeef" / "files").mkdir(parents=True)
     assert len(read_runs(t.dir)) == 4
+
+
+def test_a_run_is_named_by_where_its_output_lies():
+    """Results by their path in the results folder; anything in the work folder (a checkpoint, or
+    a result run by hand under work/results/) with `work/` first, so it never reads as committed."""
+    from types import SimpleNamespace
+
+    from palu.pipeline.cli.common import run_name_of
+    cfg = SimpleNamespace(paths=SimpleNamespace(results="results", work="work"))
+    assert run_name_of(cfg, "results/runs/m/fp16/ppl-x.json") == "runs/m/fp16/ppl-x"
+    assert run_name_of(cfg, "work/results/runs/m/fp16/ppl-x.json") == "work/results/runs/m/fp16/ppl-x"
+    assert run_name_of(cfg, "work/palu/m/c/palu-whitened-uniform-k0.5-g3-m8") == "work/palu/m/c/palu-whitened-uniform-k0.5-g3-m8"
+    assert run_name_of(cfg, "/elsewhere/out.json") == "out.json"
+
+
+def test_a_tracked_step_leaves_the_environment_as_it_found_it(tmp_path):
+    """W&B's folders and its service socket do not outlive the step in os.environ: a process that
+    runs steps and then launches others (Snakemake from a test or a notebook) must not hand its
+    children this step's folders or a socket to its own service."""
+    before = dict(os.environ)
+    t = _tracking(tmp_path / "wandb")
+    for name in ("x", "y"):
+        with tracked_step(t, {"a": 1}, "calibrate", name, "m") as wb:
+            wb.metrics({"v": 1.0})
+    assert {k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)} == set()
+    assert [r.name for r in read_runs(t.dir)] == ["x", "y"]

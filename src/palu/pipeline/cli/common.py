@@ -43,16 +43,18 @@ def model_input(cfg) -> dict:
 
 
 def run_name_of(cfg, out: str | os.PathLike) -> str:
-    """A step's W&B run name: its output's path inside the work or results folder, without the
-    extension (the same parameter tags as the file names); an output elsewhere: its file name."""
+    """A step's W&B run name: its output's path inside the results folder, or `work/` + its path
+    inside the work folder (so a result run by hand, under work/results/, never reads like a
+    committed one), without the extension (the same parameter tags as the file names); an output
+    elsewhere: its file name."""
     full = Path(out).resolve()
-    for root in (cfg.paths.results, cfg.paths.work):
+    for root, prefix in ((cfg.paths.results, ""), (cfg.paths.work, "work/")):
         try:
             rel = full.relative_to(Path(root).resolve())
         except ValueError:
             continue
-        return rel.with_suffix("").as_posix() if rel.suffix in {".json", ".safetensors", ".png", ".csv"} \
-            else rel.as_posix()
+        name = rel.with_suffix("") if rel.suffix in {".json", ".safetensors", ".png", ".csv"} else rel
+        return prefix + name.as_posix()
     return full.name
 
 

@@ -136,10 +136,29 @@ def tracked_step(tracking: Any, config: dict, job_type: str, name: str, group: s
               for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
     import wandb
     folder = Path(tracking.dir)
-    # keep W&B's staging copies and caches inside the tracking folder, not in ~/.cache
-    os.environ.setdefault("WANDB_CACHE_DIR", str(folder / ".cache"))
-    os.environ.setdefault("WANDB_DATA_DIR", str(folder / ".data"))
-    os.environ.setdefault("WANDB_SILENT", "true")
+    # The environment as it was: W&B's variables set here (and WANDB_SERVICE, which wandb sets when
+    # it starts its service) are restored when the step ends, so a process that runs steps and
+    # then launches others (a test, a notebook calling Snakemake) does not hand its children this
+    # step's folders or a socket to its own service.
+    saved = {k: os.environ.get(k) for k in _WANDB_ENV}
+    try:
+        # keep W&B's staging copies and caches inside the tracking folder, not in ~/.cache
+        os.environ.setdefault("WANDB_CACHE_DIR", str(folder / ".cache"))
+        os.environ.setdefault("WANDB_DATA_DIR", str(folder / ".data"))
+        os.environ.setdefault("WANDB_SILENT", "true")
+        yield from _run_step(wandb, tracking, folder, config, job_type, name, group, inputs)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_WANDB_ENV = ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_SILENT", "WANDB_SERVICE")
+
+
+def _run_step(wandb, tracking, folder, config, job_type, name, group, inputs) -> Iterator[StepRun]:
     rid = run_id(tracking.project, job_type, name)
     if tracking.mode == "offline":
         _drop_offline_runs(folder, rid)      # a rerun replaces its run
