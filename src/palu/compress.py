@@ -36,12 +36,15 @@ def _text_of(corpus: str, text: str | None, path: str | None, part: str) -> str:
 
 def calibration_data(tokenizer, corpus: str = "wiki_standin", samples: int = 16, seqlen: int = 1024,
                      seed: int = 0, path: str | None = None, bos: str = "auto",
-                     text: str | None = None) -> torch.Tensor:
+                     text: str | None = None, offsets: list[int] | None = None) -> torch.Tensor:
     """Seeded random windows (samples, seqlen) from the calibration part of a corpus, or from
     your own `text` (then `corpus` is ignored), each starting with BOS where the model's tokenizer
-    adds one (`bos`: auto | always | never)."""
+    adds one (`bos`: auto | always | never). `offsets`: explicit token offsets into the tokenised
+    text instead of the seeded draw (one window each; `samples` and `seed` are then not used), to
+    match another code's calibration exactly. Any [n, seqlen] tensor of token ids you build
+    yourself is calibration data too."""
     return calibration_windows(tokenize(tokenizer, _text_of(corpus, text, path, "calibration_text")),
-                               samples, seqlen, seed, bos_token_for(tokenizer, bos))
+                               samples, seqlen, seed, bos_token_for(tokenizer, bos), offsets)
 
 
 # The one default for the Fisher windows, the pipeline's too (its `fisher:` settings are this dataclass)
@@ -50,10 +53,11 @@ FISHER_DEFAULTS = asdict(FisherWindows())
 
 def fisher_data(tokenizer, corpus: str = "wiki_standin", samples: int = FISHER_DEFAULTS["samples"],
                 seqlen: int = FISHER_DEFAULTS["seqlen"], seed: int = FISHER_DEFAULTS["seed"],
-                path: str | None = None, bos: str = "auto", text: str | None = None) -> torch.Tensor:
+                path: str | None = None, bos: str = "auto", text: str | None = None,
+                offsets: list[int] | None = None) -> torch.Tensor:
     """The windows the Fisher rank methods accumulate squared gradients over: the calibration
     part of `corpus` (or `text`) at another seed than the Gram windows, as the pipeline draws them."""
-    return calibration_data(tokenizer, corpus, samples, seqlen, seed, path, bos, text)
+    return calibration_data(tokenizer, corpus, samples, seqlen, seed, path, bos, text, offsets)
 
 
 @dataclass

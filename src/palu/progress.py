@@ -1,8 +1,16 @@
-"""Progress of long loops: a tqdm bar when `progress` is on, else a log line every ~10% (with
-`progress=false`, as under Snakemake, a long step would otherwise print nothing for minutes)."""
+"""Progress of long loops, as every library function's `progress=` argument asks:
+
+- True: a tqdm bar (interactive use);
+- "lines": a line every ~10% with the elapsed time and an estimate of what is left, through the
+  `palu` logger where logging is configured for it, else on stderr (a notebook or a batch log
+  without bars that still shows that a 10-minute evaluation is moving);
+- False: the same lines through the `palu` logger only, so a script that configures no logging
+  prints nothing (the pipeline configures it: under Snakemake each step logs its lines).
+"""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Iterable, Iterator, TypeVar
 
@@ -12,12 +20,19 @@ T = TypeVar("T")
 log = logging.getLogger("palu")
 
 
-def steps(items: Iterable[T], desc: str, unit: str, progress: bool = True,
+MODES = (True, False, "lines")
+
+
+def steps(items: Iterable[T], desc: str, unit: str, progress: bool | str = True,
           total: int | None = None, lines: int = 10) -> Iterator[T]:
-    """Iterate `items`, reporting as a bar (`progress`) or as about `lines` log lines."""
-    if progress:
+    """Iterate `items`, reporting as a bar (`progress` True) or as about `lines` lines."""
+    if progress not in MODES:
+        raise ValueError(f"progress={progress!r} is not one of True (a bar), 'lines' (a line every "
+                         "~10%, on stderr unless logging shows the palu logger) or False (log lines only)")
+    if progress is True:
         yield from tqdm(items, desc=desc, unit=unit, total=total, leave=False)
         return
+    say = _stderr if progress == "lines" and not _logging_shows() else log.info
     if total is None:
         total = len(items) if hasattr(items, "__len__") else None
     every = max(1, (total or 10) // lines)
@@ -27,4 +42,13 @@ def steps(items: Iterable[T], desc: str, unit: str, progress: bool = True,
         if i % every == 0 or i == total:
             elapsed = time.perf_counter() - start
             eta = f", ~{elapsed / i * (total - i):.0f} s left" if total else ""
-            log.info("%s: %d/%s %s (%.0f s%s)", desc, i, total if total else "?", unit, elapsed, eta)
+            say("%s: %d/%s %s (%.0f s%s)", desc, i, total if total else "?", unit, elapsed, eta)
+
+
+def _logging_shows() -> bool:
+    """Whether an INFO line of the palu logger reaches a handler (the root's or its own)."""
+    return log.isEnabledFor(logging.INFO) and log.hasHandlers()
+
+
+def _stderr(fmt: str, *args) -> None:
+    print(fmt % args, file=sys.stderr, flush=True)

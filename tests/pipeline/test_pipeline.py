@@ -75,7 +75,7 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     assert "Δ vs FP16" in (results / "tables" / "zeroshot.md").read_text()
     # needle retrieval and Qasper answers generated through each cache, and the needle heatmap
     lc = pd.read_csv(results / "tables" / "longcontext.csv")
-    assert set(lc["method"]) == set(zs["method"])
+    assert set(lc["method"]) == {"fp16", "palu-whitened-uniform-k0.5-g3-b4"}
     assert set(lc["task"]) == {"needles", "needles_L160", "qasper_yesno", "average"}
     assert (lc.loc[lc["task"] != "average", "n"] == 2).all() and (lc.loc[lc["task"] == "average", "n"] == 4).all()
     assert (results / "figures" / "needle_heatmap.png").stat().st_size > 10_000
@@ -103,7 +103,7 @@ def _check_wandb_runs(wandb_dir, results):
     """One offline run per executed step (the small grid runs every step but prepare, which the
     fixture did), each with its config, summary and artifacts; a perplexity's lineage reaches
     the calibration through the checkpoint and the ranks; the collect runs hold the tables."""
-    from palu.pipeline.cli.common import EVALUATING_STEPS
+    from palu.pipeline.cli.common import STEP_GROUPS
     from palu.pipeline.tracking import format_lineage, lineage, read_runs
     from palu.pipeline.tracking.artifacts import KINDS
     runs = read_runs(wandb_dir)
@@ -120,11 +120,12 @@ def _check_wandb_runs(wandb_dir, results):
             if kind:
                 ours = [a["type"] for a in run.made if a["type"] in KINDS]   # W&B adds run_table ones
                 assert ours == [kind], (job, run.name, run.made)
-                if job in EVALUATING_STEPS:     # what it read; the checkpoint's manifest says the rest
-                    assert "method" in run.config and "calibration" not in run.config, (job, run.name)
-                    assert "palu" not in run.config, (job, run.name)
-                else:
-                    assert run.config["calibration"]["samples"] == 2    # the full resolved config
+                # what it read and nothing else (an evaluating step: the checkpoint's manifest says the rest)
+                groups = {k for k, v in run.config.items() if isinstance(v, dict) and k != "lineage"}
+                if job in STEP_GROUPS:
+                    assert groups == {"model", "paths", "tracking", *STEP_GROUPS[job]}, (job, run.name)
+                if "calibration" in groups:
+                    assert run.config["calibration"]["samples"] == 2, (job, run.name)
     assert all(r.summary["ppl"] > 1 for r in jobs["evaluate"])
     palu = sorted((results / "runs").rglob("palu-whitened-fisher-*/**/ppl-*.json"))[0]
     tree = lineage(palu, runs)

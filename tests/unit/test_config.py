@@ -6,7 +6,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from palu.pipeline.config import CONF_DIR, ConfigError, method_defaults, register, validate
+from palu.pipeline.config import CONF_DIR, ConfigError, method_defaults, register, to_dict, validate
 
 register()
 
@@ -238,3 +238,17 @@ def test_grid_sections_are_settings_over_the_schema():
     ck = grid.checkpoints()
     assert all(grid.checkpoint(spec) == path for path, spec in ck.items())
     assert all(grid.ranks_file(spec) == path for path, spec in grid.ranks_files().items())
+
+
+def test_each_step_records_the_groups_it_reads_and_no_other():
+    """A result's record and its W&B config say what made it: decompose carries calibration,
+    fisher and palu but not zeroshot; an evaluating step carries its method, not palu.*."""
+    from palu.pipeline.cli.common import STEP_GROUPS, config_of
+    cfg = _compose()
+    every = {k for k, v in to_dict(cfg).items() if isinstance(v, dict)}
+    for step, groups in STEP_GROUPS.items():
+        assert set(groups) <= every, step
+        recorded = {k for k, v in config_of(cfg, step).items() if isinstance(v, dict)}
+        assert recorded == {"model", "paths", "tracking", *groups}, step
+        assert config_of(cfg, step)["seed"] == cfg.seed, step      # top-level settings always
+    assert config_of(cfg, "some_new_step") == to_dict(cfg)           # unlisted: everything

@@ -99,3 +99,34 @@ def test_the_readme_names_resolve_after_import_palu():
             "from palu.decompose.allocation import allocate_ranks; from palu.eval.suites import SUITES; "
             "assert set(SUITES) >= {'needles', 'qasper', 'longbench', 'ruler'}")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_calibration_windows_at_explicit_offsets_match_another_codes_draw():
+    """`offsets=` starts one window at each given token offset (how a user reproduces another
+    code's calibration, e.g. Python's `random.randint` draw over the joined text); a start where
+    no whole window fits, a negative or a non-integer one is refused naming it."""
+    import random
+    tok = tiny_tokenizer()
+    ids = torch.tensor(tok(TEXT, add_special_tokens=False)["input_ids"])
+    random.seed(0)
+    starts = [random.randint(0, ids.numel() - 16 - 1) for _ in range(4)]
+    windows = palu.calibration_data(tok, text=TEXT, seqlen=16, offsets=starts, bos="never")
+    assert torch.equal(windows, torch.stack([ids[s: s + 16] for s in starts]))
+    last = ids.numel() - 16
+    assert palu.calibration_data(tok, text=TEXT, seqlen=16, offsets=[last], bos="never").shape == (1, 16)
+    for bad in ([last + 1], [-1], [2.5], []):
+        with pytest.raises(ValueError, match="offset"):
+            palu.calibration_data(tok, text=TEXT, seqlen=16, offsets=bad, bos="never")
+
+
+def test_progress_lines_reach_stderr_without_logging_and_a_bad_mode_is_refused(capsys):
+    """progress="lines": a line every ~10% on stderr when no logging shows the palu logger (a
+    script or notebook that configured nothing); False: nothing printed; an unknown mode fails."""
+    from palu.progress import steps
+    assert list(steps(range(20), "work", "items", progress="lines")) == list(range(20))
+    err = capsys.readouterr().err
+    assert "work: 20/20 items" in err and len(err.splitlines()) == 10
+    assert list(steps(range(20), "work", "items", progress=False)) == list(range(20))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="progress='bars'"):
+        list(steps(range(3), "work", "items", progress="bars"))

@@ -254,3 +254,17 @@ def test_a_tracked_step_leaves_the_environment_as_it_found_it(tmp_path):
             wb.metrics({"v": 1.0})
     assert {k for k in set(os.environ) | set(before) if os.environ.get(k) != before.get(k)} == set()
     assert [r.name for r in read_runs(t.dir)] == ["x", "y"]
+
+
+def test_a_run_records_its_own_command_line_not_the_sweeps(tmp_path):
+    """One job of a Hydra multirun passes its own overrides (`job_args`): W&B's environment record
+    then holds `method.bits=2`, not the whole sweep's `method.bits=2,4`."""
+    t = _tracking(tmp_path / "wandb")
+    argv = list(sys.argv)
+    with tracked_step(t, {"a": 1}, "evaluate", "one", "m", args=["method=kivi", "method.bits=2"]):
+        pass
+    with tracked_step(t, {"a": 1}, "evaluate", "two", "m"):
+        pass
+    assert sys.argv == argv
+    one, two = read_runs(t.dir)
+    assert one.args == ["method=kivi", "method.bits=2"] and two.args == argv[1:]

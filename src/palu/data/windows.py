@@ -66,14 +66,20 @@ def evaluation_windows(tokens: torch.Tensor, seqlen: int, max_tokens: int | None
 
 
 def calibration_windows(tokens: torch.Tensor, n: int, seqlen: int, seed: int,
-                        bos: int | None = None) -> torch.Tensor:
+                        bos: int | None = None, offsets: list[int] | None = None) -> torch.Tensor:
     """`n` windows of `seqlen` tokens at seeded random offsets: [n, seqlen] (`bos`: as in
-    `evaluation_windows`)."""
-    if n <= 0 or seqlen <= 0:
-        raise ValueError(f"calibration needs n > 0 and seqlen > 0, got n={n}, seqlen={seqlen}")
+    `evaluation_windows`). `offsets`: the token offsets to start at instead (then `n` and `seed`
+    are not used), to match another code's calibration draw exactly."""
+    if seqlen <= 0:
+        raise ValueError(f"calibration needs seqlen > 0, got seqlen={seqlen}")
     text = seqlen - (bos is not None)
     if tokens.numel() <= text:
         raise ValueError(f"calibration text has {tokens.numel()} tokens, fewer than seqlen={seqlen}")
+    if offsets is not None:
+        starts = _checked_offsets(offsets, last=tokens.numel() - text)
+        return _with_bos(torch.stack([tokens[s: s + text] for s in starts]), bos)
+    if n <= 0:
+        raise ValueError(f"calibration needs n > 0 windows, got n={n}")
     if tokens.numel() - text < n:
         # the offsets are drawn from tokens - text places: fewer places than windows repeats
         # windows (a text of one window once gave 16 identical ones)
@@ -83,3 +89,15 @@ def calibration_windows(tokens: torch.Tensor, n: int, seqlen: int, seed: int,
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, tokens.numel() - text, (n,), generator=gen)
     return _with_bos(torch.stack([tokens[s: s + text] for s in starts.tolist()]), bos)
+
+
+def _checked_offsets(offsets, last: int) -> list[int]:
+    """Explicit window starts: integers in [0, last] (a window must fit in the text)."""
+    offsets = [int(o) if isinstance(o, torch.Tensor) and o.numel() == 1 else o for o in offsets]
+    if not offsets:
+        raise ValueError("calibration offsets= is empty: give at least one token offset")
+    for o in offsets:
+        if isinstance(o, bool) or not isinstance(o, int) or not 0 <= o <= last:
+            raise ValueError(f"calibration offset {o!r} is not an integer in [0, {last}] (the last "
+                             "start at which a whole window fits in the text's tokens)")
+    return offsets

@@ -58,22 +58,35 @@ def run_name_of(cfg, out: str | os.PathLike) -> str:
     return full.name
 
 
-# The settings groups a step that evaluates a cache method reads (beside model, paths, tracking
-# and the top-level keys): its record holds these and no other group. In particular not palu.*,
-# calibration.* or fisher.*: a checkpoint's own manifest (in the method's record) says how it was
-# made, so a checkpoint is evaluated by hand with method.checkpoint alone.
-EVALUATING_STEPS = {"evaluate": ("data", "method"), "zeroshot": ("method", "zeroshot"),
-                    "longcontext": ("method", "longcontext"), "generate": ("data", "method", "generate")}
+# The settings groups each step reads (beside model, paths, tracking and the top-level keys): its
+# output file and W&B run record these and no other group, so a record says what made the result
+# and nothing else (a decompose run does not carry zeroshot.*). An evaluating step does not carry
+# palu.*, calibration.* or fisher.*: a checkpoint's own manifest (in the method's record) says how
+# it was made, so a checkpoint is evaluated by hand with method.checkpoint alone.
+STEP_GROUPS = {
+    "prepare": (),
+    "calibrate": ("calibration",),
+    "fisher": ("calibration", "fisher"),
+    "ranks": ("calibration", "fisher", "palu"),
+    "decompose": ("calibration", "fisher", "palu"),
+    "recover": ("calibration", "recovery"),
+    "kvquant_capture": ("calibration", "kvquant"),
+    "fit_kvquant": ("calibration", "kvquant"),
+    "evaluate": ("data", "method"),
+    "zeroshot": ("method", "zeroshot"),
+    "longcontext": ("method", "longcontext"),
+    "generate": ("data", "method", "generate"),
+}
 _ALWAYS = ("model", "paths", "tracking")
 
 
 def config_of(cfg, step: str) -> dict:
-    """The resolved config a step's outputs and W&B run record: every group for the steps that
-    make artifacts, only what they read for the evaluating steps (`EVALUATING_STEPS`)."""
+    """The resolved config a step's outputs and W&B run record: the groups it reads
+    (`STEP_GROUPS`) and the top-level settings. A step not listed records everything."""
     full = to_dict(cfg)
-    if step not in EVALUATING_STEPS:
+    if step not in STEP_GROUPS:
         return full
-    keep = set(_ALWAYS) | set(EVALUATING_STEPS[step])
+    keep = set(_ALWAYS) | set(STEP_GROUPS[step])
     return {k: v for k, v in full.items() if k in keep or not isinstance(v, dict)}
 
 
@@ -81,7 +94,17 @@ def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, co
     """The W&B run of one step making `out` from `used` (kind -> path or paths)."""
     return tracked_step(cfg.tracking, config if config is not None else config_of(cfg, step), job_type=step,
                         name=run_name_of(cfg, out), group=cfg.model.name if "model" in cfg else "tables",
-                        used=used)
+                        used=used, args=job_args())
+
+
+def job_args() -> list[str] | None:
+    """This job's own command-line overrides when Hydra runs it as one job of a multirun (the
+    process's argv then holds the whole sweep); None otherwise (the argv is the job's)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return list(HydraConfig.get().overrides.task)
 
 
 def check_window_length(cfg, seqlen: int, what: str) -> None:

@@ -31,6 +31,7 @@ class OfflineRun:
     media: dict[str, str] = field(default_factory=dict)  # logged key -> W&B media type
     plots: dict[str, str] = field(default_factory=dict)  # native plot key -> W&B panel type
     exit_code: int | None = None
+    args: list[str] = field(default_factory=list)        # the command line W&B recorded
 
     @property
     def used(self) -> list[dict]:
@@ -84,6 +85,8 @@ def read_run(run_folder: str | Path) -> OfflineRun:
                              "files": [c["path"] for c in a.get("manifest", {}).get("contents", [])],
                              "references": [c["ref"] for c in a.get("manifest", {}).get("contents", [])
                                             if c.get("ref")]})
+        elif kind == "environment" and "args" in rec["environment"]:   # (the machine's is another record)
+            run.args = rec["environment"]["args"]
         elif kind == "exit":
             run.exit_code = rec["exit"].get("exit_code", 0)
     if run is None:

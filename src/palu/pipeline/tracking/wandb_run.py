@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -124,10 +125,12 @@ def _drop_offline_runs(folder: Path, rid: str) -> None:
 
 @contextlib.contextmanager
 def tracked_step(tracking: Any, config: dict, job_type: str, name: str, group: str,
-                 used: dict[str, Any] | None = None) -> Iterator[StepRun]:
+                 used: dict[str, Any] | None = None, args: list[str] | None = None) -> Iterator[StepRun]:
     """Yield the step's `StepRun`; the W&B run is always finished, with exit code 1 on error.
 
-    `used` maps an artifact kind to the path (or list of paths) the step reads."""
+    `used` maps an artifact kind to the path (or list of paths) the step reads. `args`: the command
+    line W&B records for this run (default: the process's); one job of a Hydra multirun passes its
+    own overrides, not the whole sweep's."""
     check_tracking(tracking)
     if tracking.mode == "disabled":
         yield StepRun(None, tracking, [])
@@ -146,7 +149,7 @@ def tracked_step(tracking: Any, config: dict, job_type: str, name: str, group: s
         os.environ.setdefault("WANDB_CACHE_DIR", str(folder / ".cache"))
         os.environ.setdefault("WANDB_DATA_DIR", str(folder / ".data"))
         os.environ.setdefault("WANDB_SILENT", "true")
-        yield from _run_step(wandb, tracking, folder, config, job_type, name, group, inputs)
+        yield from _run_step(wandb, tracking, folder, config, job_type, name, group, inputs, args)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -158,14 +161,26 @@ def tracked_step(tracking: Any, config: dict, job_type: str, name: str, group: s
 _WANDB_ENV = ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_SILENT", "WANDB_SERVICE")
 
 
-def _run_step(wandb, tracking, folder, config, job_type, name, group, inputs) -> Iterator[StepRun]:
+@contextlib.contextmanager
+def _argv(args: list[str] | None) -> Iterator[None]:
+    """W&B reads the command line it records from sys.argv when the run starts."""
+    if args is None:
+        yield
+        return
+    saved = sys.argv
+    sys.argv = [saved[0], *args]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _run_step(wandb, tracking, folder, config, job_type, name, group, inputs, args) -> Iterator[StepRun]:
     rid = run_id(tracking.project, job_type, name)
     if tracking.mode == "offline":
         _drop_offline_runs(folder, rid)      # a rerun replaces its run
-    run = wandb.init(project=tracking.project, entity=tracking.entity, dir=str(folder),
-                     mode=tracking.mode, job_type=job_type, group=group, name=name, id=rid,
-                     resume="allow", config={**config, "lineage": {"used": inputs}},
-                     reinit="finish_previous", allow_val_change=True)
+    with _argv(args):
+        run = _init(wandb, tracking, folder, config, job_type, name, group, rid, inputs)
     if tracking.mode == "online":
         _declare_used(run, inputs)
     step = StepRun(run, tracking, inputs)
@@ -176,3 +191,10 @@ def _run_step(wandb, tracking, folder, config, job_type, name, group, inputs) ->
         raise
     run.summary.update({"lineage/made": [m["name"] for m in step.made]})
     run.finish()
+
+
+def _init(wandb, tracking, folder, config, job_type, name, group, rid, inputs):
+    return wandb.init(project=tracking.project, entity=tracking.entity, dir=str(folder),
+                      mode=tracking.mode, job_type=job_type, group=group, name=name, id=rid,
+                      resume="allow", config={**config, "lineage": {"used": inputs}},
+                      reinit="finish_previous", allow_val_change=True)
