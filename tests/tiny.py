@@ -63,14 +63,84 @@ def tiny_qwen2_sliding(seed: int = 0, window: int = 8):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def tiny_gemma3(seed: int = 0):
-    """Gemma-3 (`gemma3_text`): an unsupported family (q/k norms, MQA, sliding windows)."""
+def _randomise_norms(model):
+    """Random init leaves q/k norm weights at one (zero for Gemma's 1 + w): make them matter."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(layer.self_attn, name, None)
+                if norm is not None:
+                    norm.weight.normal_(0.5, 0.3)
+    return model
+
+
+def tiny_qwen3(seed: int = 0):
+    """Qwen3: per-head RMSNorm on q and k before RoPE; q/k/v bias switched on here."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, attention_bias=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return _randomise_norms(model)
+
+
+def tiny_gemma3(seed: int = 0, window: int = 8):
+    """Gemma-3 (`gemma3_text`): per-head q/k norms ((1 + w) weights), MQA, head_dim larger than
+    hidden / heads, a sliding-window layer (its own RoPE base) and a global one, scaled
+    embeddings, query_pre_attn_scalar."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-                           max_position_embeddings=256, sliding_window=8)
-    return Gemma3ForCausalLM(cfg).eval()
+                           max_position_embeddings=256, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)
+    return _randomise_norms(Gemma3ForCausalLM(cfg).eval())
+
+
+def tiny_olmo2(seed: int = 0):
+    """OLMo-2: RMSNorm over all heads' q (and all KV heads' k) at once, before RoPE."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Olmo2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return _randomise_norms(Olmo2ForCausalLM(cfg).eval())
+
+
+def tiny_phi3(seed: int = 0):
+    """Phi-3: one fused qkv projection; RoPE on half of each head (partial_rotary_factor 0.5)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Phi3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     original_max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    return Phi3ForCausalLM(cfg).eval()
+
+
+FAMILIES.update(qwen3=tiny_qwen3, gemma3=tiny_gemma3, olmo2=tiny_olmo2, phi3=tiny_phi3)
+
+
+def tiny_gpt2(seed: int = 0):
+    """GPT-2: a family palu has no adapter for (Conv1D c_attn), to test that it is refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+
+
+def tiny_gemma2(seed: int = 0):
+    """Gemma-2 with attention logit soft-capping, which palu's attention does not do: refused."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=256, sliding_window=8, attn_logit_softcapping=50.0)
+    return Gemma2ForCausalLM(cfg).eval()
 
 
 WORDS = ("the of and to in a is was for on as by with he it at from his an were are which this be "

@@ -14,7 +14,11 @@ import sys
 import time
 from typing import Iterable, Iterator, TypeVar
 
-from tqdm.auto import tqdm
+try:      # widget bars in a notebook need ipywidgets; without it tqdm.auto warns on import
+    import ipywidgets  # noqa: F401
+    from tqdm.auto import tqdm
+except ImportError:
+    from tqdm import tqdm
 
 T = TypeVar("T")
 log = logging.getLogger("palu")

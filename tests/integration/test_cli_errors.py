@@ -84,16 +84,17 @@ def test_mismatched_checkpoint_is_refused(prepared_model, tmp_path):
 
 
 def test_an_unsupported_family_is_refused_by_every_step(tmp_path):
-    """Issue 20.3: Gemma-3 was refused by compress / ranks / calibrate but evaluated as a
-    baseline with garbage; now each step exits non-zero with the supported families."""
-    from tiny import save_tiny, tiny_gemma3, tiny_tokenizer
-    folder = save_tiny(tiny_gemma3(), tiny_tokenizer(add_bos=True), tmp_path / "gemma")
+    """Issue 20.3: Gemma-3 (then unsupported) was refused by compress / ranks / calibrate but
+    evaluated as a baseline with garbage; now each step refuses a family without an adapter
+    (GPT-2 here), exiting non-zero with the supported families."""
+    from tiny import save_tiny, tiny_gpt2, tiny_tokenizer
+    folder = save_tiny(tiny_gpt2(), tiny_tokenizer(add_bos=True), tmp_path / "gpt2")
     results = tmp_path / "results"
     results.mkdir()
     for step in ("prepare", "evaluate", "calibrate", "generate"):
-        proc, out = _run(step, f"model.id={folder}", "model.name=tiny-gemma", tmp_path=results)
+        proc, out = _run(step, f"model.id={folder}", "model.name=tiny-gpt2", tmp_path=results)
         assert proc.returncode != 0, step
-        assert "'gemma3_text' is not supported; supported families: ['llama'" in proc.stderr + proc.stdout, step
+        assert "'gpt2' is not supported; supported families: [" in proc.stderr + proc.stdout, step
         assert not out.exists() and list(results.iterdir()) == [], step
 
 

@@ -152,28 +152,31 @@ def test_the_recovery_grid(monkeypatch):
         bad.recovery_specs()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "opt", "mistral", "gemma3_text", "qwen3", "olmo2",
+                                    "phi3", "gemma2", "gpt2"])
 def test_geometry_from_config_json_equals_transformers(tmp_path, family):
     """The workflow plans from a folder's config.json read as JSON (no transformers import): it
-    gives the Geometry transformers' own config does, and refuses the same families."""
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, OPTConfig,
-                              Qwen2Config)
+    gives the Geometry transformers' own config does, and refuses the same families (Gemma-2 by
+    its soft-capping, GPT-2 for want of an adapter)."""
+    import transformers as tf
     from palu.models.adapters import UnsupportedArchitectureError, geometry_of
     from palu.models.loading import load_config, load_geometry
-    config = {"llama": LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=32, num_hidden_layers=3),
-              "qwen2": Qwen2Config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-                                   num_hidden_layers=2),
-              "opt": OPTConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                               ffn_dim=96, word_embed_proj_dim=64),
-              "mistral": MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                                       num_hidden_layers=2),
-              "gemma3_text": Gemma3TextConfig(hidden_size=64, num_attention_heads=4,
-                                              num_key_value_heads=1, head_dim=16)}[family]
+    small = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    config = {"llama": lambda: tf.LlamaConfig(**{**small, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=32),
+              "qwen2": lambda: tf.Qwen2Config(**{**small, "num_attention_heads": 8}, num_key_value_heads=2),
+              "opt": lambda: tf.OPTConfig(**small, ffn_dim=96, word_embed_proj_dim=64),
+              "mistral": lambda: tf.MistralConfig(**small, num_key_value_heads=4),
+              "gemma3_text": lambda: tf.Gemma3TextConfig(**small, num_key_value_heads=1, head_dim=16),
+              "qwen3": lambda: tf.Qwen3Config(**small, num_key_value_heads=2, head_dim=32),
+              "olmo2": lambda: tf.Olmo2Config(**small, num_key_value_heads=2),
+              "phi3": lambda: tf.Phi3Config(**small, num_key_value_heads=2),
+              "gemma2": lambda: tf.Gemma2Config(**small, num_key_value_heads=2, head_dim=16),
+              "gpt2": lambda: tf.GPT2Config(n_embd=64, n_head=4, n_layer=2)}[family]()
     config.save_pretrained(tmp_path)
-    if family == "gemma3_text":
-        with pytest.raises(UnsupportedArchitectureError, match="gemma3_text"):
-            load_geometry(str(tmp_path))
+    if family in ("gemma2", "gpt2"):
+        for load in (load_geometry, load_config):
+            with pytest.raises(UnsupportedArchitectureError, match="softcapping" if family == "gemma2" else "'gpt2'"):
+                load(str(tmp_path))
         return
     assert load_geometry(str(tmp_path)) == geometry_of(load_config(str(tmp_path)))
 

@@ -9,7 +9,7 @@ import torch
 import palu
 from palu.calib.gram import collect_grams
 from palu.decompose.heads import group_order, head_similarity, reorder_heads, similarity_orders
-from tiny import tiny_llama, tiny_qwen2
+from tiny import FAMILIES, tiny_llama, tiny_qwen2
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,11 @@ def setup():
     return model, calib, collect_grams(model, calib, progress=False)["gram"]
 
 
-@pytest.mark.parametrize("make", [lambda: tiny_llama(1, kv_heads=4).double(), lambda: tiny_qwen2(1).double()])
+@pytest.mark.parametrize("make", [lambda: tiny_llama(1, kv_heads=4).double(), lambda: tiny_qwen2(1).double(),
+                                  lambda: FAMILIES["qwen3"](1).double(), lambda: FAMILIES["olmo2"](1).double(),
+                                  lambda: FAMILIES["phi3"](1).double()])
 def test_reordering_heads_is_the_same_function(make):
+    """OLMo-2's q/k norms hold a weight per dim of every head: they move with their heads."""
     model = make()
     ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

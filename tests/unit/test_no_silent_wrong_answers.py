@@ -13,7 +13,7 @@ from palu.cache.latent_cache import LatentCache
 from palu.data.windows import bos_token_for, calibration_windows, evaluation_windows
 from palu.artifacts import NonFiniteResultError, write_json
 from palu.models.adapters import UnsupportedArchitectureError, sliding_window_of
-from tiny import (save_tiny, tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_qwen2_sliding,
+from tiny import (save_tiny, tiny_gemma2, tiny_gpt2, tiny_llama, tiny_mistral_sliding, tiny_qwen2_sliding,
                   tiny_tokenizer)
 
 
@@ -100,15 +100,27 @@ def test_prepare_refuses_a_copy_with_other_logits(tmp_path, monkeypatch):
 
 # ---- 3. unsupported families -------------------------------------------------------------------
 def test_an_unsupported_family_is_refused_at_load_compress_and_cache(tmp_path):
-    folder = save_tiny(tiny_gemma3(), tiny_tokenizer(add_bos=True), tmp_path / "gemma")
+    folder = save_tiny(tiny_gpt2(), tiny_tokenizer(add_bos=True), tmp_path / "gpt2")
     for call in (lambda: palu.load_model(str(folder)),
                  lambda: palu.models.loading.load_config(str(folder)),
-                 lambda: palu.compress(tiny_gemma3(), torch.randint(0, 97, (2, 16)), progress=False)):
-        with pytest.raises(UnsupportedArchitectureError, match=r"'gemma3_text' is not supported; "
-                                                               r"supported families: \['llama'"):
+                 lambda: palu.compress(tiny_gpt2(), torch.randint(0, 97, (2, 16)), progress=False)):
+        with pytest.raises(UnsupportedArchitectureError, match=r"'gpt2' is not supported; "
+                                                               r"supported families: \[.*'llama'"):
             call()
     with pytest.raises(ValueError, match="no Palu attention"):
-        LatentCache(tiny_gemma3())
+        LatentCache(tiny_gpt2())
+
+
+def test_attention_logit_softcapping_is_refused_by_name(tmp_path):
+    """Gemma-2 soft-caps attention logits; SDPA does not, so every attention palu installs would
+    drop it silently: refused at load and by every method, naming the setting."""
+    from palu.methods import build_method
+    folder = save_tiny(tiny_gemma2(), tiny_tokenizer(add_bos=True), tmp_path / "gemma2")
+    for call in (lambda: palu.load_model(str(folder)),
+                 lambda: palu.compress(tiny_gemma2(), torch.randint(0, 97, (2, 16)), progress=False),
+                 lambda: build_method({"name": "kivi", "bits": 2}).install(tiny_gemma2())):
+        with pytest.raises(UnsupportedArchitectureError, match="attn_logit_softcapping=50.0"):
+            call()
 
 
 # ---- 4. sliding windows ------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Swap a model's attention modules for Palu attention (explicitly; importing palu patches nothing)."""
 from __future__ import annotations
 
-from ..models.adapters import adapter_for, check_rope, geometry_of
+from ..models.adapters import adapter_for, check_rope, geometry_of, rotary_for
 from .palu_attention import PaluAttention
 
 
@@ -12,12 +12,12 @@ def install_palu(model, factors: list, group_size: int, fuse: bool = True):
     layers = adapter.layers(model)
     if len(factors) != len(layers):
         raise ValueError(f"{len(factors)} factor sets for a model with {len(layers)} layers")
-    rotary = getattr(model.model, "rotary_emb", None) if geom.rope else None
-    for layer, lf in zip(layers, factors):
+    for i, (layer, lf) in enumerate(zip(layers, factors)):
         attn = adapter.attention(layer)
         if isinstance(attn, PaluAttention):
             raise ValueError("the model already has Palu attention installed")
-        layer.self_attn = PaluAttention(attn, adapter, geom, lf, group_size, rotary=rotary, fuse=fuse)
+        layer.self_attn = PaluAttention(attn, adapter, geom, lf, group_size, rotary=rotary_for(model, i),
+                                        fuse=fuse)
     model.config.palu = {"group_size": group_size, "fuse": fuse}
     return model
 

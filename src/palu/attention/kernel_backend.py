@@ -7,8 +7,10 @@ that only change the frequencies (linear, llama3, dynamic NTK) are served: the k
 inv_freq from the model's rotary module at each step; YaRN / LongRoPE also scale the logits
 (attention_scaling != 1) and take the torch path. Palu re-rotates every cached key each step,
 so under dynamic NTK old keys follow the current frequencies (a dense HF cache keeps the
-rotation they were stored with). `backend="triton"`
-forces it whenever it can run at all (any dtype; on CPU through TRITON_INTERPRET=1: tests).
+rotation they were stored with). A family with a k-norm (Qwen3, Gemma-3, OLMo-2) or partial
+rotary (some Phi-3) takes the torch path: the kernels rebuild and rotate keys without a norm, over
+the whole head. `backend="triton"` forces it whenever it can run at all (any dtype; on CPU
+through TRITON_INTERPRET=1: tests).
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ def can_use_kernel(attn, x, mask, bits: int = 16) -> str | None:
     packed width, 16 for unquantised latents)."""
     if x.shape[1] != 1:
         return "prefill (more than one query token)"
+    if getattr(attn, "k_norm", None) is not None:
+        return "k-norm (Qwen3, Gemma-3, OLMo-2: keys are normalised after they are rebuilt; no kernel does that)"
+    if attn.geom.rope and 2 * attn._rotary[0].inv_freq.numel() != attn.geom.head_dim:
+        return f"partial rotary ({2 * attn._rotary[0].inv_freq.numel()} of {attn.geom.head_dim} dims rotate)"
     from palu.quant.packed import KERNEL_BITS, UNQUANTISED
     if bits != UNQUANTISED and bits not in KERNEL_BITS:
         return f"{bits}-bit latents (the kernels read {KERNEL_BITS})"

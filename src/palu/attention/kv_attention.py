@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.quant_cache import QuantKVCache
-from ..models.adapters import FamilyAdapter, Geometry, layer_window
+from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm, layer_window
 from .rope import apply_rope
 
 
@@ -27,6 +27,8 @@ class QuantKVAttention(nn.Module):
                  rotary: nn.Module | None = None):
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = adapter.projections(attn)
+        self.q_norm, self.k_norm = adapter.norms(attn)   # before RoPE and before the cache
+        self.qk_norm = adapter.qk_norm
         self.layer_idx, self.geom, self.method = attn.layer_idx, geom, method
         self.sliding_window = layer_window(attn.config, attn.layer_idx)   # this layer's, if it slides
         self.scaling = attn.scaling
@@ -41,8 +43,8 @@ class QuantKVAttention(nn.Module):
                 past_key_values=None, position_ids=None, **kwargs):
         B, T, _ = hidden_states.shape
         x = hidden_states
-        q = self._heads(self.q_proj(x), self.geom.num_heads)
-        k = self._heads(self.k_proj(x), self.geom.num_kv_heads)
+        q = apply_qk_norm(self._heads(self.q_proj(x), self.geom.num_heads), self.q_norm, self.qk_norm)
+        k = apply_qk_norm(self._heads(self.k_proj(x), self.geom.num_kv_heads), self.k_norm, self.qk_norm)
         v = self._heads(self.v_proj(x), self.geom.num_kv_heads)
         if self.query_scaled:
             q = q * self.scaling

@@ -2,7 +2,8 @@
 
 Reference (pure torch) backend. Per group g of `group_size` KV heads:
     hk = A_k[g] x,  hv = A_v[g] x                 (cached, pre-RoPE)
-    keys   = RoPE(B_k[g] hk + b_k)                 (RoPE models; rebuilt at attention time)
+    keys   = RoPE(norm(B_k[g] hk + b_k))           (RoPE models; rebuilt at attention time; the
+                                                   family's k-norm, if any, over the rebuilt keys)
     scores = (B_k[g]ᵀ q) · hk                      (no RoPE + fuse: keys never rebuilt)
     out    = Σ_i softmax_i · hv  @ (W_o,i B_v[g,i])ᵀ  (fuse: values never rebuilt)
 Unfused paths rebuild K and V explicitly (the reference code's "simulated" Palu); both must agree.
@@ -15,7 +16,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from ..cache.protocol import LatentStore, TensorLatents
-from ..models.adapters import FamilyAdapter, Geometry
+from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm
 from .rope import apply_rope
 
 
@@ -66,6 +67,12 @@ class PaluAttention(nn.Module):
         self.scaling = attn.scaling
         self.query_scaled = adapter.query_scaled_in_proj
         self.q_proj, self.o_proj = q, o
+        # the family's q/k norms (modules of the model, kept: the original attention is dropped)
+        self.q_norm, self.k_norm = adapter.norms(attn)
+        self.qk_norm = adapter.qk_norm
+        # keys are rebuilt from latents unless the fused query can score latents directly (no
+        # RoPE and no k-norm: both act on the full key)
+        self.rebuilds_keys = geom.rope or not fuse or self.k_norm is not None
         self._rotary = (rotary,)  # a tuple: shared with the model, not a submodule of ours
         dtype, device = q.weight.dtype, q.weight.device
         self.ranks_k, self.ranks_v = factors.ranks_k, factors.ranks_v
@@ -79,7 +86,7 @@ class PaluAttention(nn.Module):
             self.register_buffer(f"B_v{g}", factors.B_v[g].to(**cast))
         if fuse:
             self._fuse_values(o, factors.B_v, v.bias, cast)
-            if not geom.rope:
+            if not self.rebuilds_keys:
                 self._fuse_keys(q, factors.B_k, cast)
 
     # ---- offline fusion -------------------------------------------------------------------
@@ -141,8 +148,9 @@ class PaluAttention(nn.Module):
         x = hidden_states
         hk, hv = F.linear(x, self.A_k), F.linear(x, self.A_v)          # (B, T, R)
         q = None
-        if self.geom.rope or not self.fuse:
+        if self.rebuilds_keys:
             q = self.q_proj(x).view(B, T, self.geom.num_heads, -1).transpose(1, 2)  # (B, nh, T, hd)
+            q = apply_qk_norm(q, self.q_norm, self.qk_norm)
             if self.query_scaled:
                 q = q * self.scaling
             if self.geom.rope:
@@ -153,22 +161,24 @@ class PaluAttention(nn.Module):
         if out is not None:   # the kernels served this step
             return out, None
         S = kpos.shape[-1]
+        # with a k-norm over all heads every group's keys are needed at once; otherwise each group's
+        # are rebuilt in turn (one group's keys in memory at a time)
+        normed = self._normed_keys(hk_all) if self.k_norm is not None else None
         if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
             kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         outs, heads = [], []
-        k_off = v_off = 0
+        v_off = 0
         for g in range(self.n_groups):
-            hk_g = hk_all[..., k_off:k_off + self.ranks_k[g]]
             hv_g = hv_all[..., v_off:v_off + self.ranks_v[g]]
-            k_off, v_off = k_off + self.ranks_k[g], v_off + self.ranks_v[g]
-            if self.geom.rope or not self.fuse:
+            v_off += self.ranks_v[g]
+            if self.rebuilds_keys:
                 qg = q[:, self._query_heads(g).start:self._query_heads(g).stop]
-                kg = self._rebuild(hk_g, getattr(self, f"B_k{g}"), self.k_bias, g)   # (B, s, S, hd)
+                kg = normed[g] if normed is not None else self._key(hk_all, g)       # (B, s, S, hd)
                 if self.geom.rope:
                     kg = apply_rope(kg, kcos, ksin)
             else:
                 qg = self._fused_query(x, g)                                         # (B, h, T, r)
-                kg = hk_g.unsqueeze(1)                                               # (B, 1, S, r)
+                kg = self._key_latents(hk_all, g).unsqueeze(1)                       # (B, 1, S, r)
             if self.fuse:
                 vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], S, hv_g.shape[-1])
             else:
@@ -216,6 +226,20 @@ class PaluAttention(nn.Module):
 
     def _sdpa_scale(self) -> float:
         return 1.0 if self.query_scaled else self.scaling
+
+    def _key_latents(self, hk_all, g: int) -> torch.Tensor:
+        start = sum(self.ranks_k[:g])
+        return hk_all[..., start:start + self.ranks_k[g]]
+
+    def _key(self, hk_all, g: int) -> torch.Tensor:
+        """Group g's keys (B, s, S, hd) rebuilt from their latents (before any norm and RoPE)."""
+        return self._rebuild(self._key_latents(hk_all, g), getattr(self, f"B_k{g}"), self.k_bias, g)
+
+    def _normed_keys(self, hk_all) -> list[torch.Tensor]:
+        """Every group's rebuilt keys through the family's k-norm (over all KV heads at once
+        where it normalises them jointly, OLMo-2), before RoPE."""
+        keys = torch.cat([self._key(hk_all, g) for g in range(self.n_groups)], 1)
+        return list(apply_qk_norm(keys, self.k_norm, self.qk_norm).split(self.group_size, 1))
 
     def _rebuild(self, h, Bg, bias, g):
         """Latents (B, S, r) -> full heads (B, s, S, hd) of group g."""

@@ -10,6 +10,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, h, T, d); cos/sin (B, T, d) from the model's rotary embedding."""
+    """x (B, h, T, d); cos/sin (B, T, r) from the model's rotary embedding. r < d (partial
+    rotary, Phi-3's `partial_rotary_factor`): the first r dims rotate, the rest pass through."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :r], x[..., r:]
+    return torch.cat([head * cos + rotate_half(head) * sin, rest], dim=-1)

@@ -25,6 +25,17 @@ from ..quant.codecs import KVQuantCodec, top_outliers
 from .fisher import loss_scale, scaled_backward
 
 
+def _heads_first(t: torch.Tensor, heads: int, T: int) -> bool:
+    """Whether a per-head k-norm's output is (B, H, T, d) (Gemma-3 norms after the transpose)
+    rather than (B, T, H, d) (Qwen3 before it)."""
+    if t.dim() != 4:
+        raise ValueError(f"a per-head k-norm output of shape {tuple(t.shape)}: expected 4 dims")
+    if heads == T:
+        raise ValueError(f"KVQuant calibration windows of {T} tokens with {heads} KV heads: the k-norm "
+                         "output's layout is ambiguous; use windows of another length")
+    return t.shape[1] == heads and t.shape[2] == T
+
+
 def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress: bool):
     """Per layer: pre-RoPE keys and values (N, H, d) of `per_window` random tokens of each
     window (the first token excluded: the sink is kept exact), and their squared gradients."""
@@ -37,22 +48,31 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
     live: dict = {}
     handles = []
 
-    def hook(key):
+    layout: dict = {}      # key -> whether the captured tensor is (B, H, T, d), not (B, T, ...)
+    window_len = [0]
+
+    def hook(key, norm_kind=None):
         def fn(module, inputs, output):
             out = output.detach().requires_grad_(fisher)
             live[key] = out
+            layout[key] = norm_kind == "head" and _heads_first(out, H, window_len[0])
             return out
         return fn
 
     for i, layer in enumerate(layers):
-        _, k, v, _ = adapter.projections(adapter.attention(layer))
-        handles += [k.register_forward_hook(hook((i, "k"))), v.register_forward_hook(hook((i, "v")))]
+        attn = adapter.attention(layer)
+        _, k, v, _ = adapter.projections(attn)
+        # the keys KVQuant quantises are the ones cached: after the family's k-norm, before RoPE
+        _, k_norm = adapter.norms(attn)
+        k_source = k if k_norm is None else k_norm
+        handles += [k_source.register_forward_hook(hook((i, "k"), adapter.qk_norm)),
+                    v.register_forward_hook(hook((i, "v")))]
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     scale = loss_scale(model)      # float16 gradients underflow: calib/fisher.py
     try:
         for window in steps(windows, "KVQuant calibration", "windows", progress):
-            T = window.numel()
+            T = window_len[0] = window.numel()
             pick = 1 + torch.randperm(T - 1, generator=gen)[:per_window]
             batch = window[None].to(device)
             if fisher:
@@ -63,9 +83,11 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
                 with torch.no_grad():
                     model(input_ids=batch, use_cache=False)
             for key, t in live.items():
-                acts[key].append(t.detach()[0, pick].view(-1, H, d).float().cpu())
+                tokens_first = (lambda x: x.transpose(1, 2)) if layout[key] else (lambda x: x)
+                acts[key].append(tokens_first(t.detach())[0, pick].reshape(-1, H, d).float().cpu())
                 if fisher:
-                    grads[key].append(((t.grad[0, pick].view(-1, H, d).double() / scale) ** 2).float().cpu())
+                    g = tokens_first(t.grad)[0, pick].reshape(-1, H, d)
+                    grads[key].append(((g.double() / scale) ** 2).float().cpu())
             live.clear()
             model.zero_grad(set_to_none=True)
     finally:

@@ -52,7 +52,7 @@ def source_hash(model) -> str:
     h = hashlib.sha256()
     for layer in adapter.layers(model):
         attn = adapter.attention(layer)
-        if not hasattr(attn, adapter.k):
+        if getattr(attn, "stores_latents", False) or getattr(attn, "quantises_kv", False):
             raise CheckpointError("the model already has Palu attention installed; load a fresh base model")
         for proj in adapter.projections(attn):
             h.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())

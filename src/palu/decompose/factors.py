@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.adapters import adapter_for, geometry_of
+from ..models.adapters import adapter_for, geometry_of, partial_rotary
 from ..progress import steps
 from .ranks import check_allocation, ranks_table
 from .rotation import ROTATIONS, rotate_layer
@@ -55,6 +55,20 @@ def _output_error(W: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch
     return float((num / den).clamp_min(0).sqrt())
 
 
+def check_attention_metrics(config) -> None:
+    """The attention-weighted objective models queries as `W_q x` rotated over whole heads: a
+    family that normalises q/k first, or rotates part of each head, is refused by name."""
+    adapter = adapter_for(config)
+    if adapter.qk_norm is not None:
+        raise ValueError(f"decomposition='attention' is not supported for {config.model_type!r}: its "
+                         f"q/k norm ({adapter.qk_norm}) makes the queries' second moment other than "
+                         "W_q G W_qᵀ; use decomposition='whitened'")
+    if partial_rotary(config) != 1.0:
+        raise ValueError(f"decomposition='attention' is not supported with partial_rotary_factor="
+                         f"{partial_rotary(config)} (its key metric averages RoPE over whole heads); "
+                         "use decomposition='whitened'")
+
+
 @torch.no_grad()
 def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
                     method: str = "whitened", progress: bool = True, rotation: str = "none",
@@ -69,6 +83,8 @@ def decompose_model(model, allocation: dict, grams: torch.Tensor | None = None,
     if method in NEEDS_GRAM and grams is None:
         raise ValueError(f"{method} decomposition needs calibration Gram matrices")
     adapter, geom = adapter_for(model.config), geometry_of(model.config)
+    if method == "attention":
+        check_attention_metrics(model.config)
     check_allocation(allocation, geom)
     s = allocation["group_size"]
     n_groups = geom.check_group_size(s)

@@ -88,10 +88,15 @@ def reorder_heads(model, orders: list[list[int]]) -> None:
                              f"{geom.num_kv_heads} KV heads")
         if order == list(range(geom.num_kv_heads)):
             continue
-        q, k, v, o = adapter.projections(adapter.attention(layer))
+        attn = adapter.attention(layer)
+        q, k, v, o = adapter.projections(attn)
         _take_rows(k, order, geom.num_kv_heads)
         _take_rows(v, order, geom.num_kv_heads)
         _take_rows(q, order, geom.num_kv_heads)            # each KV head's n_rep query heads
+        if adapter.qk_norm == "all":     # OLMo-2: a weight per q / k dim, of every head: permuted too
+            for norm in adapter.norms(attn):
+                norm.weight.data = (norm.weight.data.reshape(geom.num_kv_heads, -1)[torch.tensor(order)]
+                                    .reshape(-1).contiguous())
         w = o.weight.data                                   # (out, heads * d): columns by head
         idx = torch.tensor(order)
         o.weight.data = (w.reshape(w.shape[0], geom.num_kv_heads, -1)[:, idx].reshape_as(w)

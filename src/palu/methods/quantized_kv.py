@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from ..cache.quant_cache import QuantKVCache, Schedule
-from ..models.adapters import adapter_for, check_rope, geometry_of
+from ..models.adapters import adapter_for, check_rope, geometry_of, rotary_for
 from .base import CacheMethod, MethodError
 
 
@@ -49,13 +49,12 @@ class QuantizedKV(CacheMethod):
             key_codec, value_codec = self.codecs(geom, model)
         except ValueError as e:
             raise MethodError(f"{self.name}: {e}") from None
-        rotary = getattr(model.model, "rotary_emb", None) if geom.rope else None
-        for layer in adapter.layers(model):
+        for i, layer in enumerate(adapter.layers(model)):
             attn = adapter.attention(layer)
             if getattr(attn, "quantises_kv", False) or getattr(attn, "stores_latents", False):
                 raise ValueError(f"the model's attention is already replaced "
                                  f"({type(attn).__name__}); install {self.name} on a fresh model")
-            layer.self_attn = QuantKVAttention(attn, adapter, geom, self, rotary=rotary)
+            layer.self_attn = QuantKVAttention(attn, adapter, geom, self, rotary=rotary_for(model, i))
         self._built = (geom, key_codec, value_codec)
 
     def _parts(self):

