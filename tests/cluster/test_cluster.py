@@ -92,7 +92,7 @@ def test_a_failing_cluster_job_is_reported_with_its_logs(runs):
     jobid = re.search(r"has been submitted with SLURM jobid (\d+) \(log: (.*)\)", out)
     assert jobid, out[-3000:]
     assert re.search(r"Error in (rule evaluate|group evaluations)", out), out[-3000:]
-    rule_log = re.search(r"log: (\S*logs/evaluate/fp16/ppl-novels_standin-L128-T256-float32-cf0\.3\.log)", out)
+    rule_log = re.search(r"log: (\S*logs/smollm2-135m/evaluate/fp16/ppl-novels_standin-L128-T256-float32-cf0\.3\.log)", out)
     assert rule_log, out[-3000:]
     text = (ROOT / rule_log.group(1)).read_text()
     assert "cuda" in text.lower() or "CUDA" in text, text[-2000:]

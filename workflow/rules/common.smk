@@ -58,8 +58,8 @@ wildcard_constraints:
 
 
 def log(step, name):
-    return str(naming.log_path(W, step, name))
+    return str(naming.log_path(W, M, step, name))
 
 
 def bench(step, name):
-    return str(naming.benchmark_path(W, step, name))
+    return str(naming.benchmark_path(W, M, step, name))

@@ -224,14 +224,14 @@ def longcontext_path_of(cfg, method) -> Path:
                             run_name(method.tag, method.lineage()), longcontext_tag_of(cfg))
 
 
-def log_path(work: str, step: str, name: str) -> Path:
-    """A rule's log file (Snakemake `log:`)."""
-    return Path(work) / "logs" / step / f"{name}.log"
+def log_path(work: str, model: str, step: str, name: str) -> Path:
+    """A rule's log file (Snakemake `log:`), by model: two grids' runs of one method never share one."""
+    return Path(work) / "logs" / model / step / f"{name}.log"
 
 
-def benchmark_path(work: str, step: str, name: str) -> Path:
-    """A rule's timing file (Snakemake `benchmark:`)."""
-    return Path(work) / "benchmarks" / step / f"{name}.tsv"
+def benchmark_path(work: str, model: str, step: str, name: str) -> Path:
+    """A rule's timing file (Snakemake `benchmark:`), by model as the logs."""
+    return Path(work) / "benchmarks" / model / step / f"{name}.tsv"
 
 
 def table_prefix(results: str, table: str) -> Path:
