@@ -54,6 +54,8 @@ def evaluate_text(model, tokenizer=None, text: str | None = None, windows=None, 
             raise ValueError(f"windows= must be integer token ids of shape (n, T >= 2), got "
                              f"{tuple(windows.shape)} {windows.dtype}")
         check_seqlen(model.config, windows.shape[1])
+    from ..methods.base import check_one_pass
+    check_one_pass(method, "perplexity")
     make_cache = None if method is None else (lambda: method.make_cache(model))
     result = perplexity(model, windows, progress=progress, make_cache=make_cache,
                         cache_nbytes=None if method is None else method.cache_nbytes)

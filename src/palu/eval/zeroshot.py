@@ -41,6 +41,8 @@ def lm_eval_name(task: str, source: str) -> str:
 
 def method_lm(model, tokenizer, method=None):
     """An lm-eval `HFLM` around `model` whose every forward runs through `method`'s cache."""
+    from ..methods.base import check_one_pass
+    check_one_pass(method, "loglikelihood")
     from lm_eval.models.huggingface import HFLM
 
     class MethodLM(HFLM):

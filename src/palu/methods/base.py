@@ -28,6 +28,10 @@ class MethodError(ValueError):
 class CacheMethod:
     """Base of every method. Subclasses set `name`, add fields, and override what they change."""
     name: ClassVar[str] = ""
+    # Whether a one-pass window through the cache means what decoding through it means (each
+    # query sees what the cache would hold when that token is decoded). A method that evicts
+    # after the prefill (SnapKV) has no such meaning: its one-pass logits are the full model's.
+    one_pass: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -78,6 +82,15 @@ class CacheMethod:
         """What a result file stores about the method: its config and anything it loaded."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         return {"name": self.name, **fields}
+
+
+def check_one_pass(method, what: str) -> None:
+    """Refuse a one-pass score (perplexity, lm-eval loglikelihoods) through a method without
+    one-pass semantics: it would be the uncompressed model's number under the method's name."""
+    if method is not None and not getattr(method, "one_pass", True):
+        raise MethodError(f"{method.tag} evicts tokens after the prefill: a one-pass {what} through "
+                          "its cache would be the full model's number. Evaluate it with the "
+                          "decode-time suites (longcontext: prefill, evict, then generate)")
 
 
 def method_names() -> list[str]:

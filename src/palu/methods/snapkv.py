@@ -1,0 +1,71 @@
+"""SnapKV (Li et al., 2024): after the prefill, each KV head keeps the prompt tokens that the
+prompt's last `window` queries (the observation window) attend to most — their attention summed
+over the window and the head's query heads, average-pooled over `kernel` neighbouring tokens —
+plus the observation window itself; decoding then attends to what was kept and to every new token.
+`compression_ratio` is kvpress's: the fraction of the prompt's tokens removed. Tokens are chosen
+per KV head (positions kept per head). One-pass scores are refused (`one_pass`): the eviction
+happens after the prefill's own attention."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.subset_cache import SubsetPolicy
+from .base import MethodError
+from .token_subset import TokenSubset
+
+
+class SnapKVPolicy(SubsetPolicy):
+    def __init__(self, ratio: float, window: int, kernel: int):
+        self.ratio, self.window, self.kernel = ratio, window, kernel
+
+    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+        if not prefill:
+            return None
+        B, H, S, d = keys.shape
+        n_keep = max(self.window, S - int(round(S * self.ratio)))
+        if n_keep >= S:
+            return None
+        w = self.window
+        n_rep = queries.shape[1] // H
+        obs = queries[:, :, -w:]                                              # (B, nh, w, d)
+        k = keys.repeat_interleave(n_rep, 1)
+        scores = (obs @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
+        causal = torch.arange(S, device=keys.device)[None] <= torch.arange(S - w, S, device=keys.device)[:, None]
+        scores = scores.masked_fill(~causal, float("-inf")).softmax(-1)       # (B, nh, w, S)
+        votes = scores[..., :S - w].sum(2).view(B, H, n_rep, S - w).mean(2)   # (B, H, S - w)
+        votes = F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
+        top = votes.topk(n_keep - w, dim=-1).indices.sort(-1).values
+        recent = torch.arange(S - w, S, device=keys.device).expand(B, H, w)
+        return torch.cat([top, recent], -1)
+
+
+@dataclass
+class SnapKV(TokenSubset):
+    name = "snapkv"
+    one_pass = False
+    compression_ratio: float = 0.5   # fraction of the prompt's tokens removed (kvpress)
+    window: int = 32                 # observation window (the prompt's last queries)
+    kernel: int = 5                  # pooling over neighbouring tokens (odd)
+
+    def check(self) -> None:
+        r = self.compression_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise MethodError(f"method.compression_ratio={r!r} must be in [0, 1) (the fraction removed)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise MethodError(f"method.window={self.window!r} must be a positive integer")
+        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+            raise MethodError(f"method.kernel={self.kernel!r} must be a positive odd integer")
+
+    @property
+    def tag(self) -> str:
+        return f"snapkv-r{self.compression_ratio:g}-w{self.window}-k{self.kernel}"
+
+    @property
+    def policy(self) -> SnapKVPolicy:
+        return SnapKVPolicy(float(self.compression_ratio), self.window, self.kernel)
+
+    def summary(self) -> dict:
+        return {"kv_bits": 16, "family": "eviction", "compression_ratio": self.compression_ratio}

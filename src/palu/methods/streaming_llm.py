@@ -1,0 +1,56 @@
+"""StreamingLLM (Xiao et al., ICLR 2024): the first `sink` tokens (attention sinks) and the most
+recent `window` tokens, evicted as decoding goes (not only at the prefill, as kvpress's
+StreamingLLMPress does). A query at position p sees tokens j < sink and p - window < j <= p, so a
+one-pass window means what decoding means and perplexity through it is defined. Keys keep the
+positions they were rotated at (kvpress does the same; the paper's re-indexing within the cache
+is not done)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.subset_cache import SubsetPolicy
+from .base import MethodError
+from .token_subset import TokenSubset
+
+
+class StreamingPolicy(SubsetPolicy):
+    def __init__(self, sink: int, window: int):
+        self.sink, self.window = sink, window
+
+    def visible(self, q_pos, k_pos):
+        q, k = q_pos[:, None], k_pos[..., None, :]
+        return (k <= q) & ((k < self.sink) | (q - k < self.window))
+
+    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+        # what the next query (position `seen`) may see
+        held = (positions[0, 0] < self.sink) | (positions[0, 0] > seen - self.window)
+        if bool(held.all()):
+            return None
+        idx = held.nonzero().squeeze(-1)
+        return idx.expand(*positions.shape[:2], -1).contiguous()
+
+
+@dataclass
+class StreamingLLM(TokenSubset):
+    name = "streaming_llm"
+    sink: int = 4
+    window: int = 1024
+
+    def check(self) -> None:
+        for key in ("sink", "window"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "sink" else 1):
+                raise MethodError(f"method.{key}={value!r} must be an integer >= {0 if key == 'sink' else 1}")
+
+    @property
+    def tag(self) -> str:
+        return f"streaming_llm-s{self.sink}-w{self.window}"
+
+    @property
+    def policy(self) -> StreamingPolicy:
+        return StreamingPolicy(self.sink, self.window)
+
+    def summary(self) -> dict:
+        return {"kv_bits": 16, "family": "eviction", "sink": self.sink, "window": self.window}

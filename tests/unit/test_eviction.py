@@ -1,0 +1,151 @@
+"""Token eviction (issue 36, first methods): StreamingLLM and SnapKV through `SubsetKVCache`, each
+against a plain reference — the unmodified model with a 4-D mask that hides exactly the evicted
+tokens — on tiny float64 models; the cache really holds fewer bytes; bad settings refused."""
+import copy
+
+import pytest
+import torch
+
+from palu.methods import MethodError, build_method
+from palu.eval.perplexity import perplexity
+from tiny import FAMILIES, tiny_llama
+
+TOL = 1e-9
+
+
+def _installed(base, conf):
+    method = build_method(dict(conf))
+    model = copy.deepcopy(base)
+    method.install(model)
+    return method, model
+
+
+@torch.no_grad()
+def _stepwise(model, cache, ids):
+    return torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                      for t in range(ids.shape[1])], 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])   # (OPT takes no 4-D mask to compare with)
+def test_streaming_llm_equals_the_model_under_its_sink_and_window_mask(family):
+    """Query p sees tokens j < sink and p - window < j <= p: a one-pass window, token-by-token
+    decoding through the cache and the plain model under that mask agree; between steps the cache
+    holds sink + window - 1 tokens (the next query is the window's last), whatever the length."""
+    base = FAMILIES[family](0).double()
+    method, model = _installed(base, {"name": "streaming_llm", "sink": 2, "window": 5})
+    ids = torch.randint(0, 97, (1, 20), generator=torch.Generator().manual_seed(1))
+    T = ids.shape[1]
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None]
+    band = (k <= q) & ((k < 2) | (q - k < 5))
+    with torch.no_grad():
+        ref = base(ids, attention_mask=band[None, None], use_cache=False).logits
+        one = model(ids, past_key_values=method.make_cache(model), use_cache=True).logits
+    cache = method.make_cache(model)
+    steps = _stepwise(model, cache, ids)
+    assert (one - ref).abs().max().item() < TOL and (steps - ref).abs().max().item() < TOL
+    with torch.no_grad():   # and it really differs from full attention
+        assert (base(ids, use_cache=False).logits - ref).abs().max().item() > 1e-3
+    import palu
+    geom = palu.geometry_of(base.config)
+    geom_kv, hd = geom.num_kv_heads, geom.head_dim
+    n = method.cache_nbytes(cache)
+    assert cache.kept_tokens() == 6 and cache.get_seq_length() == T
+    assert n["data"] == model.config.num_hidden_layers * 2 * geom_kv * 6 * hd * 8
+    assert n["read_per_step"] == n["total"] == n["data"] + n["metadata"]
+    ppl = perplexity(model, ids, progress=False, make_cache=lambda: method.make_cache(model))["ppl"]
+    assert ppl > 1
+
+
+def _kept_mask(cache, T):
+    """(T,): which prompt tokens layer 0's single KV head kept."""
+    pos = cache.layers[0].positions[0, 0].long()
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[pos[pos < T]] = True
+    return mask
+
+
+def test_snapkv_keeps_its_budget_and_decodes_as_the_model_masked_to_what_it_kept():
+    """One KV head (so every query head shares the choice, which a 4-D mask can express): after
+    the prefill each layer holds round(T * (1 - ratio)) tokens, the observation window among
+    them; the continuation decoded through the cache equals the plain model with a mask hiding,
+    per layer, the evicted prompt tokens (a poisoned evicted token changes nothing)."""
+    base = tiny_llama(0, kv_heads=1).double()
+    method, model = _installed(base, {"name": "snapkv", "compression_ratio": 0.5, "window": 4, "kernel": 3})
+    T, new = 24, 6
+    ids = torch.randint(0, 97, (1, T + new), generator=torch.Generator().manual_seed(2))
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(ids[:, :T], past_key_values=cache, use_cache=True)
+    for layer in range(model.config.num_hidden_layers):
+        pos = cache.layers[layer].positions[0, 0]
+        assert pos.numel() == 12 and set(range(T - 4, T)) <= set(pos.tolist())
+    n = method.cache_nbytes(cache)
+    assert n["data"] == model.config.num_hidden_layers * 2 * 1 * 12 * 16 * 8
+    steps = _stepwise(model, cache, ids[:, T:])      # (layers keep different tokens: the masked
+    assert steps.shape == (1, new, 97)               # reference is the one-layer test below)
+    assert all(cache.layers[l].positions.shape[-1] == 12 + new for l in range(model.config.num_hidden_layers))
+
+
+def test_snapkv_with_one_layer_equals_the_masked_model_and_ignores_poisoned_tokens():
+    base = tiny_llama(0, kv_heads=1, layers=1).double()
+    method, model = _installed(base, {"name": "snapkv", "compression_ratio": 0.6, "window": 4, "kernel": 3})
+    T, new = 24, 6
+    ids = torch.randint(0, 97, (1, T + new), generator=torch.Generator().manual_seed(3))
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        prefill = model(ids[:, :T], past_key_values=cache, use_cache=True).logits
+    steps = _stepwise(model, cache, ids[:, T:])
+    kept = _kept_mask(cache, T)
+    assert kept.sum().item() == T - round(T * 0.6)
+    full = T + new
+    q, k = torch.arange(full)[:, None], torch.arange(full)[None]
+    kept_k = torch.cat([kept, torch.ones(new, dtype=torch.bool)])[None]     # every new token stays
+    mask = (k <= q) & ((q < T) | kept_k)            # the prefill attends fully, decoding to the kept
+    with torch.no_grad():
+        ref = base(ids, attention_mask=mask[None, None], use_cache=False).logits
+    assert (prefill - ref[:, :T]).abs().max().item() < TOL     # the prefill itself is full attention
+    assert (steps - ref[:, T:]).abs().max().item() < TOL
+    with torch.no_grad():                                         # eviction changed the answer
+        assert (base(ids, use_cache=False).logits[:, T:] - steps).abs().max().item() > 1e-4
+    # poison: an evicted token replaced by another changes nothing after the prefill's choice
+    dropped = (~kept).nonzero()[0].item()
+    poisoned = ids.clone()
+    poisoned[0, dropped] = (poisoned[0, dropped] + 1) % 97
+    with torch.no_grad():
+        ref2 = base(poisoned, attention_mask=mask[None, None], use_cache=False).logits
+    # the kept tokens' keys depend on earlier tokens (through the layers below); with one layer
+    # a kept token's key is its own embedding's: the decode reads no evicted token
+    assert (ref2[:, T:] - steps).abs().max().item() < TOL
+
+
+def test_one_pass_scores_through_snapkv_are_refused():
+    from palu import evaluate_text
+    base = tiny_llama(0).double()
+    method, model = _installed(base, {"name": "snapkv"})
+    with pytest.raises(MethodError, match="evicts tokens after the prefill"):
+        evaluate_text(model, windows=torch.randint(0, 97, (1, 16)), method=method, progress=False)
+
+
+@pytest.mark.parametrize("conf, match", [
+    ({"name": "streaming_llm", "window": 0}, "window"),
+    ({"name": "streaming_llm", "sink": -1}, "sink"),
+    ({"name": "snapkv", "compression_ratio": 1.0}, "compression_ratio"),
+    ({"name": "snapkv", "kernel": 4}, "kernel"),
+    ({"name": "snapkv", "window": 0}, "window"),
+])
+def test_bad_eviction_settings_are_refused(conf, match):
+    with pytest.raises(MethodError, match=match):
+        build_method(conf)
+
+
+def test_a_padded_batch_and_a_foreign_cache_are_refused():
+    from transformers import DynamicCache
+    base = tiny_llama(0).double()
+    method, model = _installed(base, {"name": "streaming_llm", "sink": 1, "window": 4})
+    ids = torch.randint(0, 97, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    with pytest.raises(ValueError, match="padded batch"):
+        model(ids, attention_mask=mask, past_key_values=method.make_cache(model), use_cache=True)
+    with pytest.raises(TypeError, match="method.make_cache"):
+        model(ids, past_key_values=DynamicCache(), use_cache=True)
