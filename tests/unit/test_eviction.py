@@ -149,3 +149,96 @@ def test_a_padded_batch_and_a_foreign_cache_are_refused():
         model(ids, attention_mask=mask, past_key_values=method.make_cache(model), use_cache=True)
     with pytest.raises(TypeError, match="method.make_cache"):
         model(ids, past_key_values=DynamicCache(), use_cache=True)
+
+
+def test_pyramidkv_budgets_shrink_with_depth_around_snapkvs_mean():
+    base = tiny_llama(0, kv_heads=1, layers=3).double()
+    method, model = _installed(base, {"name": "pyramidkv", "compression_ratio": 0.5, "window": 2,
+                                      "kernel": 1, "spread": 0.5})
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(4)),
+              past_key_values=cache, use_cache=True)
+    kept = [cache.kept_tokens(l) for l in range(3)]
+    assert kept == [18, 12, 6] and sum(kept) / 3 == 12       # SnapKV at 0.5 keeps 12 in every layer
+    snap, snap_model = _installed(base, {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1})
+    snap_cache = snap.make_cache(snap_model)
+    with torch.no_grad():
+        snap_model(torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(4)),
+                   past_key_values=snap_cache, use_cache=True)
+    assert method.cache_nbytes(cache)["data"] == snap.cache_nbytes(snap_cache)["data"]   # equal bytes
+
+
+class _Recorder:
+    """Wraps a policy; records, per decode step, the positions kept before it or selected by it."""
+
+    def __init__(self, policy):
+        self.policy, self.read = policy, []
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def visible(self, q_pos, k_pos):
+        return self.policy.visible(q_pos, k_pos)
+
+    def keep(self, *args, **kwargs):
+        return self.policy.keep(*args, **kwargs)
+
+    def select(self, queries, keys, positions):
+        chosen = self.policy.select(queries, keys, positions)
+        pos = positions[0, 0]
+        self.read.append(set(pos.tolist()) if chosen is None else set(pos[chosen[0, 0]].tolist()))
+        return chosen
+
+
+@pytest.mark.parametrize("conf", [{"name": "tova", "budget": 10}, {"name": "quest", "page": 4, "budget": 8}])
+def test_decoding_reads_exactly_the_tokens_the_policy_left(conf):
+    """One layer, one KV head: every decode step's logits equal the plain model's with that
+    query's row masked to the tokens the cache kept (TOVA) or selected (Quest) for it — so no
+    evicted or unselected token is read; the policy really drops some."""
+    base = tiny_llama(0, kv_heads=1, layers=1).double()
+    method, model = _installed(base, conf)
+    recorder = _Recorder(method.policy)
+    cache = method.make_cache(model)
+    cache.policy = recorder
+    T, new = 16, 8
+    ids = torch.randint(0, 97, (1, T + new), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(ids[:, :T], past_key_values=cache, use_cache=True)
+    steps = _stepwise(model, cache, ids[:, T:])
+    full = T + new
+    mask = torch.tril(torch.ones(full, full, dtype=torch.bool))
+    for i, read in enumerate(recorder.read):
+        row = torch.zeros(full, dtype=torch.bool)
+        row[sorted(read)] = True
+        mask[T + i] = row
+    assert len(recorder.read) == new and any(len(r) < T + i + 1 for i, r in enumerate(recorder.read))
+    with torch.no_grad():
+        ref = base(ids, attention_mask=mask[None, None], use_cache=False).logits
+    assert (steps - ref[:, T:]).abs().max().item() < TOL
+
+
+def test_tova_keeps_what_the_last_query_attends_to_most_and_quest_bounds_every_page():
+    from palu.methods.quest import QuestPolicy
+    from palu.methods.tova import TovaPolicy
+    g = torch.Generator().manual_seed(6)
+    q, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 1, 12, 8, generator=g)
+    kept = TovaPolicy(5).keep(0, q, k, None, 12, False, scale=0.5)
+    weights = ((q[:, :, -1:] @ k.transpose(-1, -2)) * 0.5).softmax(-1)[:, :, 0].mean(1)   # (1, 12)
+    assert kept[0, 0].tolist() == sorted(weights[0].topk(5).indices.tolist())
+    # Quest's page score is an upper bound of q.k over the page: the page holding the best key is read
+    policy = QuestPolicy(page=4, budget=8)
+    chosen = policy.select(q, k, torch.arange(12)[None, None])
+    best = (q[0, :, -1] @ k[0, 0].T).sum(0).argmax().item()
+    assert chosen.shape == (1, 1, 12) and chosen.sum().item() == 8 and chosen[0, 0, best]
+    assert chosen[0, 0, 8:].all()                                   # the newest page always
+
+
+def test_quest_reads_fewer_bytes_than_it_stores():
+    base = tiny_llama(0).double()
+    method, model = _installed(base, {"name": "quest", "page": 4, "budget": 8})
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 40)), past_key_values=cache, use_cache=True)
+    n = method.cache_nbytes(cache)
+    assert n["read_per_step"] < n["total"] and n["metadata"] > 0

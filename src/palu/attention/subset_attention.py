@@ -57,8 +57,12 @@ class SubsetKVAttention(nn.Module):
         keys = k if old_k is None else torch.cat([old_k, k], 2)
         values = v if old_v is None else torch.cat([old_v, v], 2)
         positions = new_pos_h if old_pos is None else torch.cat([old_pos, new_pos_h], 2)
-        policy = self.method.policy
+        policy = cache.policy            # built once per cache by the method
         mask = policy.visible(new_pos, positions)                   # (B, H, T, S)
+        if T == 1 and old_k is not None:
+            chosen = policy.select(q, keys, positions)              # (B, H, S) or None
+            if chosen is not None:
+                mask = mask & chosen[:, :, None, :]
         mask = mask.repeat_interleave(self.geom.n_rep, dim=1)       # per query head
         keys_q = keys.repeat_interleave(self.geom.n_rep, 1)
         values_q = values.repeat_interleave(self.geom.n_rep, 1)

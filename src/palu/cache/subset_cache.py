@@ -8,9 +8,11 @@ per head needs them for its masks). `get_seq_length` is the number of tokens *se
 
 Which tokens stay is the method's `policy` (`SubsetPolicy`): `visible(q_pos, k_pos)` says which
 cached or new tokens a query may attend to during a step (StreamingLLM: the sink and the recent
-window; a causal mask otherwise), and `keep(...)` which of them the cache holds after the step
+window; a causal mask otherwise), `keep(...)` which of them the cache holds after the step
 (StreamingLLM: the same rule for the next query; SnapKV: after the prefill, the tokens the
-prompt's last queries attend to most). Bytes read per decode step = bytes stored (eviction).
+prompt's last queries attend to most), and `select(...)` which kept tokens a decode step reads
+(Quest: the pages whose keys can score highest). Eviction: bytes read per step = bytes stored;
+selection reads fewer than it stores.
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ class SubsetPolicy:
         """Indices (B, H, k) of the tokens to keep out of `keys` (B, H, S, d) after a step whose
         (RoPE'd, normalised) queries were `queries` (B, nh, T, d) and whose softmax scale was
         `scale`; None keeps all."""
+        return None
+
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """For a decode step: (B, H, S) bool of the cached tokens this step reads (query-aware
+        selection, Quest); None reads every kept token."""
         return None
 
 

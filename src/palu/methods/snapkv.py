@@ -21,11 +21,15 @@ class SnapKVPolicy(SubsetPolicy):
     def __init__(self, ratio: float, window: int, kernel: int):
         self.ratio, self.window, self.kernel = ratio, window, kernel
 
+    def budget(self, layer: int, prompt: int) -> int:
+        """Prompt tokens layer `layer` keeps (the same in every layer; PyramidKV overrides)."""
+        return prompt - int(round(prompt * self.ratio))
+
     def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
         if not prefill:
             return None
         B, H, S, d = keys.shape
-        n_keep = max(self.window, S - int(round(S * self.ratio)))
+        n_keep = max(self.window, self.budget(layer, S))
         if n_keep >= S:
             return None
         w = self.window

@@ -1,0 +1,86 @@
+"""Quest (Tang et al., ICML 2024): query-aware selection. Every token is kept; keys are grouped in
+pages of `page` tokens with the per-channel minimum and maximum of each page's keys as metadata.
+A decode step scores each page by the upper bound of its query-key products
+(sum over channels of max(q_c min_c, q_c max_c), summed over the KV head's query heads), reads
+the best pages up to `budget` tokens (the newest page always) and attends exactly over them.
+Bytes stored: every token plus the page bounds; bytes read per step: the chosen pages plus every
+page's bounds. The prefill attends fully (Quest selects at decode), so one-pass scores are refused."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.subset_cache import SubsetPolicy
+from ..models.adapters import geometry_of
+from .base import MethodError
+from .token_subset import TokenSubset
+
+
+class QuestPolicy(SubsetPolicy):
+    def __init__(self, page: int, budget: int):
+        self.page, self.budget = page, budget
+
+    def select(self, queries, keys, positions):
+        B, H, S, d = keys.shape
+        if S <= self.budget:
+            return None
+        pages = math.ceil(S / self.page)
+        pad = pages * self.page - S
+        padded = torch.nn.functional.pad(keys, (0, 0, 0, pad))               # (B, H, P * page, d)
+        blocks = padded.view(B, H, pages, self.page, d)
+        valid = torch.arange(pages * self.page, device=keys.device).view(pages, self.page) < S
+        lo = blocks.masked_fill(~valid[..., None], float("inf")).amin(3)     # (B, H, P, d)
+        hi = blocks.masked_fill(~valid[..., None], float("-inf")).amax(3)
+        n_rep = queries.shape[1] // H
+        q = queries[:, :, -1].view(B, H, n_rep, d)                           # this step's query
+        bound = torch.maximum(q[:, :, :, None] * lo[:, :, None], q[:, :, :, None] * hi[:, :, None])
+        score = bound.sum(-1).sum(2)                                          # (B, H, P)
+        score[..., -1] = float("inf")                                         # the newest page
+        chosen_pages = score.topk(min(pages, self.budget // self.page), dim=-1).indices
+        chosen = torch.zeros(B, H, pages, dtype=torch.bool, device=keys.device)
+        chosen.scatter_(-1, chosen_pages, True)
+        return chosen.repeat_interleave(self.page, -1)[..., :S]
+
+
+@dataclass
+class Quest(TokenSubset):
+    name = "quest"
+    one_pass = False
+    page: int = 16           # tokens per page
+    budget: int = 512        # tokens read per decode step (a multiple of page)
+
+    def check(self) -> None:
+        for key in ("page", "budget"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MethodError(f"method.{key}={value!r} must be a positive integer")
+        if self.budget % self.page or self.budget < 2 * self.page:
+            raise MethodError(f"method.budget={self.budget} must be a multiple of method.page={self.page}, "
+                              "at least two pages")
+
+    @property
+    def tag(self) -> str:
+        return f"quest-p{self.page}-n{self.budget}"
+
+    @property
+    def policy(self) -> QuestPolicy:
+        return QuestPolicy(self.page, self.budget)
+
+    def install(self, model) -> None:
+        super().install(model)
+        self._geom = geometry_of(model.config)
+
+    def cache_nbytes(self, cache) -> dict:
+        n = cache.nbytes()
+        geom = self._geom
+        S = cache.kept_tokens()
+        elem = n["data"] // max(1, 2 * geom.num_layers * geom.num_kv_heads * S * geom.head_dim) if S else 2
+        bounds = 2 * math.ceil(S / self.page) * geom.num_kv_heads * geom.head_dim * elem * geom.num_layers
+        read = 2 * min(S, self.budget) * geom.num_kv_heads * geom.head_dim * elem * geom.num_layers
+        return {"data": n["data"], "metadata": n["metadata"] + bounds, "total": n["total"] + bounds,
+                "read_per_step": read + bounds, "packed": False}
+
+    def summary(self) -> dict:
+        return {"kv_bits": 16, "family": "selection", "budget": self.budget, "page": self.page}

@@ -1,0 +1,52 @@
+"""TOVA (Oren et al., 2024): a fixed budget of tokens per KV head; whenever a step leaves more,
+the tokens the step's last query attends to least (its attention averaged over the head's query
+heads) are evicted. The prefill keeps what its last query attends to most. Decoding one token at a
+time is the method; a one-pass window is not (its queries would all see every token), so one-pass
+scores are refused (`one_pass`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.subset_cache import SubsetPolicy
+from .base import MethodError
+from .token_subset import TokenSubset
+
+
+class TovaPolicy(SubsetPolicy):
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+        B, H, S, d = keys.shape
+        if S <= self.budget:
+            return None
+        n_rep = queries.shape[1] // H
+        last = queries[:, :, -1:]                                            # (B, nh, 1, d)
+        k = keys.repeat_interleave(n_rep, 1)
+        weights = ((last @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)).softmax(-1)
+        votes = weights[:, :, 0].view(B, H, n_rep, S).mean(2)                # (B, H, S)
+        return votes.topk(self.budget, dim=-1).indices.sort(-1).values
+
+
+@dataclass
+class Tova(TokenSubset):
+    name = "tova"
+    one_pass = False
+    budget: int = 512        # tokens kept per KV head
+
+    def check(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
+            raise MethodError(f"method.budget={self.budget!r} must be a positive integer (tokens kept)")
+
+    @property
+    def tag(self) -> str:
+        return f"tova-n{self.budget}"
+
+    @property
+    def policy(self) -> TovaPolicy:
+        return TovaPolicy(self.budget)
+
+    def summary(self) -> dict:
+        return {"kv_bits": 16, "family": "eviction", "budget": self.budget}
