@@ -242,3 +242,79 @@ def test_quest_reads_fewer_bytes_than_it_stores():
         model(torch.randint(0, 97, (1, 40)), past_key_values=cache, use_cache=True)
     n = method.cache_nbytes(cache)
     assert n["read_per_step"] < n["total"] and n["metadata"] > 0
+
+
+# ---- latent-space selection for Palu ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import palu
+    out = {}
+    for family in ("llama", "opt"):
+        base = FAMILIES[family](0).double()
+        model = copy.deepcopy(base)
+        kv = palu.geometry_of(base.config).num_kv_heads
+        result = palu.compress(model, torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0)),
+                               kept_ratio=0.5, group_size=kv, multiple=8, progress=False)
+        path = tmp_path_factory.mktemp(family) / "ckpt"
+        result.save(path)
+        out[family] = (base, str(path))
+    return out
+
+
+def _select_decode(base, ckpt, tokens, window, sketch=None, recalls=False):
+    method, model = _installed(base, {"name": "palu_select", "checkpoint": ckpt, "tokens": tokens,
+                                      "window": window, "sketch": sketch})
+    if recalls:
+        method.selection.recalls = []
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(7))
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(ids[:, :24], past_key_values=cache, use_cache=True)
+    return method, model, _stepwise(model, cache, ids[:, 24:]), ids
+
+
+def test_latent_selection_reading_every_token_is_palu(checkpoints):
+    """tokens + window >= the context: the step reads everything and equals the Palu checkpoint."""
+    base, ckpt = checkpoints["llama"]
+    _, _, steps, ids = _select_decode(base, ckpt, tokens=64, window=8)
+    method, model = _installed(base, {"name": "palu", "checkpoint": ckpt})
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(ids[:, :24], past_key_values=cache, use_cache=True)
+    assert (_stepwise(model, cache, ids[:, 24:]) - steps).abs().max().item() < TOL
+
+
+def test_latent_selection_recall_is_a_share_that_rises_with_the_tokens_read(checkpoints):
+    """No RoPE (OPT) and every channel: the score is the exact logit summed over the group's
+    query heads; the recorded recall (exact attention mass of the chosen tokens) is a share, and
+    rises with the number of tokens read."""
+    base, ckpt = checkpoints["opt"]
+    small, big = [], []
+    for tokens, sink in ((4, small), (12, big)):
+        method, _, _, _ = _select_decode(base, ckpt, tokens=tokens, window=2, recalls=True)
+        sink.extend(method.selection.recalls)
+    assert small and all(0 < r <= 1 + 1e-9 for r in small)
+    assert sum(big) / len(big) > sum(small) / len(small)
+
+
+def test_latent_selection_with_rope_measures_its_recall_and_reads_fewer_bytes(checkpoints):
+    base, ckpt = checkpoints["llama"]
+    method, model, steps, _ = _select_decode(base, ckpt, tokens=6, window=2, sketch=4, recalls=True)
+    assert method.selection.recalls and all(0 < r <= 1 + 1e-9 for r in method.selection.recalls)
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 24)), past_key_values=cache, use_cache=True)
+    n = method.cache_nbytes(cache)
+    assert n["read_per_step"] < n["total"]
+    with pytest.raises(MethodError, match="evicts tokens after the prefill"):
+        from palu import evaluate_text
+        evaluate_text(model, windows=torch.randint(0, 97, (1, 16)), method=method, progress=False)
+
+
+def test_latent_selection_refuses_a_k_norm_family(tmp_path):
+    import palu
+    base = FAMILIES["qwen3"](0).double()
+    model = copy.deepcopy(base)
+    palu.compress(model, torch.randint(0, 97, (2, 16)), kept_ratio=0.5, group_size=1, progress=False).save(tmp_path / "c")
+    with pytest.raises(MethodError, match="normalises keys"):
+        _installed(base, {"name": "palu_select", "checkpoint": str(tmp_path / "c")})

@@ -74,6 +74,7 @@ class PaluAttention(nn.Module):
         # RoPE and no k-norm: both act on the full key)
         self.rebuilds_keys = geom.rope or not fuse or self.k_norm is not None
         self._rotary = (rotary,)  # a tuple: shared with the model, not a submodule of ours
+        self.selection = None     # a LatentSelection: decode steps read a subset (latent_selection.py)
         dtype, device = q.weight.dtype, q.weight.device
         self.ranks_k, self.ranks_v = factors.ranks_k, factors.ranks_v
         cast = dict(dtype=dtype, device=device)
@@ -147,12 +148,13 @@ class PaluAttention(nn.Module):
         B, T, _ = hidden_states.shape
         x = hidden_states
         hk, hv = F.linear(x, self.A_k), F.linear(x, self.A_v)          # (B, T, R)
-        q = None
+        q = q_pre = None
         if self.rebuilds_keys:
             q = self.q_proj(x).view(B, T, self.geom.num_heads, -1).transpose(1, 2)  # (B, nh, T, hd)
             q = apply_qk_norm(q, self.q_norm, self.qk_norm)
             if self.query_scaled:
                 q = q * self.scaling
+            q_pre = q
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
@@ -166,24 +168,45 @@ class PaluAttention(nn.Module):
         normed = self._normed_keys(hk_all) if self.k_norm is not None else None
         if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
             kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
+        select = self.selection if T == 1 and past_key_values is not None else None
         outs, heads = [], []
         v_off = 0
         for g in range(self.n_groups):
+            hk_g = self._key_latents(hk_all, g)
             hv_g = hv_all[..., v_off:v_off + self.ranks_v[g]]
             v_off += self.ranks_v[g]
-            if self.rebuilds_keys:
-                qg = q[:, self._query_heads(g).start:self._query_heads(g).stop]
-                kg = normed[g] if normed is not None else self._key(hk_all, g)       # (B, s, S, hd)
+            qg = (q[:, self._query_heads(g).start:self._query_heads(g).stop] if self.rebuilds_keys
+                  else self._fused_query(x, g))                                      # (B, h, T, hd | r)
+            idx = None
+            if select is not None:
+                q_lat = select.query_latents(self, g, q_pre) if self.rebuilds_keys else qg
+                idx = select.choose(q_lat, hk_g)
+            if idx is not None and select.recalls is not None:
+                select.record(self._exact_probs(qg, hk_g, hk_all, normed, g, kcos if self.geom.rope else None,
+                                                ksin if self.geom.rope else None), idx)
+            gcos = gsin = None
+            if self.geom.rope:
+                gcos, gsin = kcos, ksin
+            if idx is not None:                     # the chosen tokens only, at their positions
+                hk_g = hk_g.gather(1, idx[..., None].expand(-1, -1, hk_g.shape[-1]))
+                hv_g = hv_g.gather(1, idx[..., None].expand(-1, -1, hv_g.shape[-1]))
                 if self.geom.rope:
-                    kg = apply_rope(kg, kcos, ksin)
+                    gcos, gsin = self._rope_for(kpos.expand(B, -1).gather(1, idx), x)
+            if self.rebuilds_keys:
+                if normed is not None:
+                    kg = normed[g]
+                else:
+                    kg = self._rebuild(hk_g, getattr(self, f"B_k{g}"), self.k_bias, g)   # (B, s, S, hd)
+                if self.geom.rope:
+                    kg = apply_rope(kg, gcos, gsin)
             else:
-                qg = self._fused_query(x, g)                                         # (B, h, T, r)
-                kg = self._key_latents(hk_all, g).unsqueeze(1)                       # (B, 1, S, r)
+                kg = hk_g.unsqueeze(1)                                               # (B, 1, S, r)
             if self.fuse:
-                vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], S, hv_g.shape[-1])
+                vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], hv_g.shape[1], hv_g.shape[-1])
             else:
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
-            z = _sdpa(qg, kg, vg, mask, self._sdpa_scale(), causal=mask is None and T > 1)
+            z = _sdpa(qg, kg, vg, None if idx is not None else mask, self._sdpa_scale(),
+                      causal=mask is None and T > 1)
             if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
                 outs.append(z.transpose(1, 2).reshape(B, T, -1) @ self._wo(g).T)
             else:
@@ -194,7 +217,7 @@ class PaluAttention(nn.Module):
         return self.o_proj(attn), None
 
     def _kernels_may_run(self) -> bool:
-        return self.fuse and self.backend != "torch"
+        return self.fuse and self.backend != "torch" and self.selection is None
 
     def _cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
         """Store this step's latents in `cache` (a latent store, another Cache, or None) and, for
@@ -230,6 +253,17 @@ class PaluAttention(nn.Module):
     def _key_latents(self, hk_all, g: int) -> torch.Tensor:
         start = sum(self.ranks_k[:g])
         return hk_all[..., start:start + self.ranks_k[g]]
+
+    def _exact_probs(self, qg, hk_g, hk_all, normed, g, kcos, ksin) -> torch.Tensor:
+        """The exact attention of this step's queries over every cached token (for recall)."""
+        if self.rebuilds_keys:
+            kg = normed[g] if normed is not None else self._key(hk_all, g)
+            if self.geom.rope:
+                kg = apply_rope(kg, kcos, ksin)
+            kg = kg.repeat_interleave(qg.shape[1] // kg.shape[1], 1)
+        else:
+            kg = hk_g.unsqueeze(1)
+        return ((qg @ kg.transpose(-1, -2)) * self._sdpa_scale()).softmax(-1)
 
     def _key(self, hk_all, g: int) -> torch.Tensor:
         """Group g's keys (B, s, S, hd) rebuilt from their latents (before any norm and RoPE)."""

@@ -1,0 +1,62 @@
+"""Palu with latent-space token selection (ours; `palu/attention/latent_selection.py`): a Palu
+checkpoint whose decode steps score every cached token from its latent with the query folded in,
+and read only the best `tokens` per group plus the newest `window` (keys rebuilt with RoPE at
+their positions). Everything is stored (the latents, at `bits`); a step reads the `sketch`
+leading channels of every key latent plus the whole latents of the chosen tokens. The prefill
+attends fully, so one-pass scores are refused (`one_pass`); decode-time suites evaluate it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..attention.latent_selection import LatentSelection
+from ..cache.protocol import palu_layers
+from .base import MethodError
+from .palu import Palu
+
+
+@dataclass
+class PaluSelect(Palu):
+    name = "palu_select"
+    one_pass = False
+    tokens: int = 256             # tokens read per group beyond the window
+    window: int = 32              # newest tokens always read
+    sketch: Optional[int] = None  # leading key-latent channels scored (None: all)
+
+    def check(self) -> None:
+        super().check()
+        for key in ("tokens", "window"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "tokens" else 0):
+                raise MethodError(f"method.{key}={value!r} must be an integer >= {1 if key == 'tokens' else 0}")
+        if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
+                                        or self.sketch < 1):
+            raise MethodError(f"method.sketch={self.sketch!r} must be a positive integer or null")
+
+    @property
+    def tag(self) -> str:
+        sketch = "" if self.sketch is None else f"-sk{self.sketch}"
+        return f"{super().tag}-sel{self.tokens}-w{self.window}{sketch}"
+
+    def install(self, model) -> None:
+        from ..models.adapters import adapter_for
+        if adapter_for(model.config).qk_norm is not None:
+            raise MethodError(f"palu_select: {model.config.model_type!r} normalises keys after they are "
+                              "rebuilt, so a latent dot product does not rank tokens by their logit")
+        super().install(model)
+        self.selection = LatentSelection(self.tokens, self.window, self.sketch)
+        for layer in palu_layers(model).values():
+            layer.selection = self.selection
+        self._ranks = [(layer.ranks_k, layer.ranks_v) for _, layer in sorted(palu_layers(model).items())]
+
+    def cache_nbytes(self, cache) -> dict:
+        n = super().cache_nbytes(cache)
+        tokens = cache.get_seq_length()
+        per_channel = n["data"] / max(1, tokens * sum(sum(k) + sum(v) for k, v in self._ranks))
+        read_tokens = min(tokens, self.tokens + self.window)
+        sketch = sum(sum(min(r, self.sketch or r) for r in k) for k, _ in self._ranks) * tokens
+        full = sum(sum(k) + sum(v) for k, v in self._ranks) * read_tokens
+        return {**n, "read_per_step": int(round((sketch + full) * per_channel)) + n["metadata"]}
+
+    def summary(self) -> dict:
+        return {**super().summary(), "family": "selection", "tokens": self.tokens, "window": self.window}
