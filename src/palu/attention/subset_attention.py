@@ -13,42 +13,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache.subset_cache import SubsetKVCache
-from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm, layer_window
-from .rope import apply_rope
+from ..models.adapters import FamilyAdapter, Geometry, layer_window
+from .full_heads import FullHeads
 
 
-class SubsetKVAttention(nn.Module):
+class SubsetKVAttention(FullHeads):
     keeps_subset = True   # how a method finds its layers without importing this class
 
     def __init__(self, attn: nn.Module, adapter: FamilyAdapter, geom: Geometry, method):
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = adapter.projections(attn)
-        self.q_norm, self.k_norm = adapter.norms(attn)
-        self.qk_norm = adapter.qk_norm
-        self.layer_idx, self.geom, self.method = attn.layer_idx, geom, method
-        self.scaling = attn.scaling
-        self.query_scaled = adapter.query_scaled_in_proj
+        super().__init__(attn, adapter, geom)
+        self.method = method
         if layer_window(attn.config, attn.layer_idx) is not None:
             raise ValueError(f"{method.name}: layer {attn.layer_idx} attends through a sliding window; "
                              "token eviction on sliding-window layers is not supported")
-
-    def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
-        B, T, _ = t.shape
-        return t.view(B, T, n, self.geom.head_dim).transpose(1, 2)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, position_ids=None, **kwargs):
         B, T, _ = hidden_states.shape
         x = hidden_states
-        q = apply_qk_norm(self._heads(self.q_proj(x), self.geom.num_heads), self.q_norm, self.qk_norm)
-        k = apply_qk_norm(self._heads(self.k_proj(x), self.geom.num_kv_heads), self.k_norm, self.qk_norm)
-        v = self._heads(self.v_proj(x), self.geom.num_kv_heads)
-        if self.query_scaled:
-            q = q * self.scaling
-        if self.geom.rope:
-            cos, sin = position_embeddings
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache = self._cache(past_key_values)
+        q, k, v = self.project(x, position_embeddings)
+        cache = self.own_cache(past_key_values, SubsetKVCache)
         _check_unpadded(attention_mask, self.method.name)
         old_k, old_v, old_pos, seen = cache.held(self.layer_idx)
         H = self.geom.num_kv_heads
@@ -66,25 +50,15 @@ class SubsetKVAttention(nn.Module):
         mask = mask.repeat_interleave(self.geom.n_rep, dim=1)       # per query head
         keys_q = keys.repeat_interleave(self.geom.n_rep, 1)
         values_q = values.repeat_interleave(self.geom.n_rep, 1)
-        out = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask,
-                                             scale=1.0 if self.query_scaled else self.scaling)
+        out = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask, scale=self.softmax_scale())
         keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=old_k is None and T > 1,
-                           scale=1.0 if self.query_scaled else self.scaling)
+                           scale=self.softmax_scale())
         if keep is not None:
             idx = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
             keys, values = keys.gather(2, idx), values.gather(2, idx)
             positions = positions.gather(2, keep)
         cache.store(self.layer_idx, keys, values, positions, seen + T)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
-
-    def _cache(self, cache) -> SubsetKVCache:
-        if cache is None:
-            return self.method.make_cache_for(self.geom.num_layers)
-        if not isinstance(cache, SubsetKVCache) or cache.owner != self.method.tag:
-            raise TypeError(f"{self.method.tag} attention cannot use a {type(cache).__name__}: it "
-                            f"reads keys and values only from its own cache; pass "
-                            f"past_key_values=method.make_cache(model)")
-        return cache
 
 
 def _check_unpadded(attention_mask, name: str) -> None:

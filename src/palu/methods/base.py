@@ -84,6 +84,12 @@ class CacheMethod:
         return {"name": self.name, **fields}
 
 
+def check_int(value, key: str, minimum: int = 1) -> None:
+    """A method's integer field: MethodError naming it unless an int >= minimum (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MethodError(f"method.{key}={value!r} must be an integer >= {minimum}")
+
+
 def check_one_pass(method, what: str) -> None:
     """Refuse a one-pass score (perplexity, lm-eval loglikelihoods) through a method without
     one-pass semantics: it would be the uncompressed model's number under the method's name."""

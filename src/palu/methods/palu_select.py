@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..attention.latent_selection import LatentSelection
 from ..cache.protocol import palu_layers
-from .base import MethodError
+from .base import MethodError, check_int
 from .palu import Palu
 
 
@@ -25,13 +25,10 @@ class PaluSelect(Palu):
 
     def check(self) -> None:
         super().check()
-        for key in ("tokens", "window"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "tokens" else 0):
-                raise MethodError(f"method.{key}={value!r} must be an integer >= {1 if key == 'tokens' else 0}")
-        if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
-                                        or self.sketch < 1):
-            raise MethodError(f"method.sketch={self.sketch!r} must be a positive integer or null")
+        check_int(self.tokens, "tokens")
+        check_int(self.window, "window", 0)
+        if self.sketch is not None:
+            check_int(self.sketch, "sketch")
 
     @property
     def tag(self) -> str:

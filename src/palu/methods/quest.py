@@ -14,7 +14,7 @@ import torch
 
 from ..cache.subset_cache import SubsetPolicy
 from ..models.adapters import geometry_of
-from .base import MethodError
+from .base import MethodError, check_int
 from .token_subset import TokenSubset
 
 
@@ -52,10 +52,8 @@ class Quest(TokenSubset):
     budget: int = 512        # tokens read per decode step (a multiple of page)
 
     def check(self) -> None:
-        for key in ("page", "budget"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise MethodError(f"method.{key}={value!r} must be a positive integer")
+        check_int(self.page, "page")
+        check_int(self.budget, "budget")
         if self.budget % self.page or self.budget < 2 * self.page:
             raise MethodError(f"method.budget={self.budget} must be a multiple of method.page={self.page}, "
                               "at least two pages")

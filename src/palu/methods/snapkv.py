@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.subset_cache import SubsetPolicy
-from .base import MethodError
+from .base import MethodError, check_int
 from .token_subset import TokenSubset
 
 
@@ -58,10 +58,10 @@ class SnapKV(TokenSubset):
         r = self.compression_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
             raise MethodError(f"method.compression_ratio={r!r} must be in [0, 1) (the fraction removed)")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise MethodError(f"method.window={self.window!r} must be a positive integer")
-        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
-            raise MethodError(f"method.kernel={self.kernel!r} must be a positive odd integer")
+        check_int(self.window, "window")
+        check_int(self.kernel, "kernel")
+        if self.kernel % 2 == 0:
+            raise MethodError(f"method.kernel={self.kernel!r} must be odd (pooling centred on each token)")
 
     @property
     def tag(self) -> str:

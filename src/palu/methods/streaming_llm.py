@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..cache.subset_cache import SubsetPolicy
-from .base import MethodError
+from .base import check_int
 from .token_subset import TokenSubset
 
 
@@ -39,10 +37,8 @@ class StreamingLLM(TokenSubset):
     window: int = 1024
 
     def check(self) -> None:
-        for key in ("sink", "window"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "sink" else 1):
-                raise MethodError(f"method.{key}={value!r} must be an integer >= {0 if key == 'sink' else 1}")
+        check_int(self.sink, "sink", 0)
+        check_int(self.window, "window", 1)
 
     @property
     def tag(self) -> str:

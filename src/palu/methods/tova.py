@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ..cache.subset_cache import SubsetPolicy
-from .base import MethodError
+from .base import check_int
 from .token_subset import TokenSubset
 
 
@@ -37,8 +35,7 @@ class Tova(TokenSubset):
     budget: int = 512        # tokens kept per KV head
 
     def check(self) -> None:
-        if isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1:
-            raise MethodError(f"method.budget={self.budget!r} must be a positive integer (tokens kept)")
+        check_int(self.budget, "budget")
 
     @property
     def tag(self) -> str:
