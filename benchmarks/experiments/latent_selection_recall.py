@@ -1,7 +1,8 @@
 """Recall of Palu's latent-space selection on the real model (issue 36): the exact attention mass
 that the tokens chosen from their latents carry, per decode step, layer, group and query head,
 after a prefill of `prompt` tokens of the novels stand-in, for several budgets and sketch sizes.
-A token budget of B reads B + window of `prompt` tokens. Writes one JSON.
+A token budget of B reads B + window of `prompt` tokens; `oracle_mean` is the mass the best set of
+that size (the exact top tokens of each head) would carry. Writes one JSON.
 
     .venv/bin/python benchmarks/experiments/latent_selection_recall.py CHECKPOINT OUT.json
 """
@@ -42,11 +43,12 @@ def main(checkpoint: str, out: str, model_path: str = "work/models/smollm2-135m"
                 model(ids[:, :prompt], past_key_values=cache, use_cache=True)
                 for t in range(prompt, prompt + steps):
                     model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
-            r = method.selection.recalls
+            r, best = method.selection.recalls, method.selection.oracle
             n = method.cache_nbytes(cache)
             q = statistics.quantiles(r, n=20)
             rows.append({"tokens": tokens, "window": 32, "sketch": sketch, "read_share": (tokens + 32) / (prompt + steps),
                          "recall_mean": statistics.fmean(r), "recall_p5": q[0], "recall_min": min(r),
+                         "oracle_mean": statistics.fmean(best),   # the best set of the same size
                          "samples": len(r), "read_per_step": n["read_per_step"], "stored": n["total"],
                          "seconds": round(time.perf_counter() - start, 1)})
             print(json.dumps(rows[-1]))

@@ -294,6 +294,7 @@ def test_latent_selection_recall_is_a_share_that_rises_with_the_tokens_read(chec
         method, _, _, _ = _select_decode(base, ckpt, tokens=tokens, window=2, recalls=True)
         sink.extend(method.selection.recalls)
     assert small and all(0 < r <= 1 + 1e-9 for r in small)
+    assert all(o >= r - 1e-9 for o, r in zip(method.selection.oracle, method.selection.recalls))
     assert sum(big) / len(big) > sum(small) / len(small)
 
 
@@ -318,3 +319,20 @@ def test_latent_selection_refuses_a_k_norm_family(tmp_path):
     palu.compress(model, torch.randint(0, 97, (2, 16)), kept_ratio=0.5, group_size=1, progress=False).save(tmp_path / "c")
     with pytest.raises(MethodError, match="normalises keys"):
         _installed(base, {"name": "palu_select", "checkpoint": str(tmp_path / "c")})
+
+
+def test_latent_selection_composes_with_low_bit_latents(checkpoints):
+    """palu_select at bits=4: the selection reads dequantised 4-bit latents; with a budget that
+    covers the context it equals Palu at 4 bits, and its bytes are the 4-bit cache's."""
+    base, ckpt = checkpoints["llama"]
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(8))
+    outs, sizes = [], []
+    for conf in ({"name": "palu", "checkpoint": ckpt, "bits": 4},
+                 {"name": "palu_select", "checkpoint": ckpt, "bits": 4, "tokens": 64, "window": 8}):
+        method, model = _installed(base, conf)
+        cache = method.make_cache(model)
+        with torch.no_grad():
+            model(ids[:, :24], past_key_values=cache, use_cache=True)
+        outs.append(_stepwise(model, cache, ids[:, 24:]))
+        sizes.append(method.cache_nbytes(cache)["total"])
+    assert (outs[0] - outs[1]).abs().max().item() < TOL and sizes[0] == sizes[1]

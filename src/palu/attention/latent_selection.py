@@ -22,6 +22,7 @@ class LatentSelection:
     window: int                  # newest tokens always read
     sketch: int | None = None    # leading latent channels the score reads (None: all)
     recalls: list | None = field(default=None)   # set to [] to record the attention mass captured
+    oracle: list = field(default_factory=list)   # beside it: the mass of the best set of that size
 
     def query_latents(self, attn, g: int, q_pre: torch.Tensor) -> torch.Tensor:
         """Group g's queries folded into its key factor: (B, heads_g, 1, r_g)."""
@@ -44,5 +45,7 @@ class LatentSelection:
     def record(self, probs: torch.Tensor, idx: torch.Tensor) -> None:
         """`probs` (B, h, 1, S): the exact attention over every token; the mass of the chosen."""
         if self.recalls is not None:
-            mass = probs[:, :, 0].gather(-1, idx[:, None].expand(-1, probs.shape[1], -1)).sum(-1)
+            p = probs[:, :, 0]
+            mass = p.gather(-1, idx[:, None].expand(-1, p.shape[1], -1)).sum(-1)
             self.recalls.extend(mass.flatten().tolist())
+            self.oracle.extend(p.topk(idx.shape[-1], dim=-1).values.sum(-1).flatten().tolist())
