@@ -132,6 +132,9 @@ def test_one_pass_scores_through_snapkv_are_refused():
     ({"name": "snapkv", "compression_ratio": 1.0}, "compression_ratio"),
     ({"name": "snapkv", "kernel": 4}, "kernel"),
     ({"name": "snapkv", "window": 0}, "window"),
+    ({"name": "h2o", "budget": 8, "window": 8}, "window"),
+    ({"name": "tova", "budget": 0}, "budget"),
+    ({"name": "quest", "page": 4, "budget": 6}, "budget"),
 ])
 def test_bad_eviction_settings_are_refused(conf, match):
     with pytest.raises(MethodError, match=match):
@@ -191,10 +194,11 @@ class _Recorder:
         return chosen
 
 
-@pytest.mark.parametrize("conf", [{"name": "tova", "budget": 10}, {"name": "quest", "page": 4, "budget": 8}])
+@pytest.mark.parametrize("conf", [{"name": "tova", "budget": 10}, {"name": "quest", "page": 4, "budget": 8},
+                                  {"name": "h2o", "budget": 10, "window": 3}])
 def test_decoding_reads_exactly_the_tokens_the_policy_left(conf):
     """One layer, one KV head: every decode step's logits equal the plain model's with that
-    query's row masked to the tokens the cache kept (TOVA) or selected (Quest) for it — so no
+    query's row masked to the tokens the cache kept (TOVA, H2O) or selected (Quest) for it — so no
     evicted or unselected token is read; the policy really drops some."""
     base = tiny_llama(0, kv_heads=1, layers=1).double()
     method, model = _installed(base, conf)
@@ -336,3 +340,21 @@ def test_latent_selection_composes_with_low_bit_latents(checkpoints):
         outs.append(_stepwise(model, cache, ids[:, 24:]))
         sizes.append(method.cache_nbytes(cache)["total"])
     assert (outs[0] - outs[1]).abs().max().item() < TOL and sizes[0] == sizes[1]
+
+
+def test_h2o_keeps_the_window_and_the_most_attended_older_tokens():
+    """The accumulated attention of the prefill's queries decides the first eviction: the kept
+    older tokens are the top of that sum, the newest `window` always stay, and the scores held
+    are counted as metadata."""
+    from palu.methods.h2o import H2OPolicy
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(1, 2, 12, 8, generator=g), torch.randn(1, 1, 12, 8, generator=g)
+    policy = H2OPolicy(budget=6, window=2)
+    kept = policy.keep(0, q, k, None, 12, True, scale=0.5)
+    logits = (q @ k.transpose(-1, -2)) * 0.5
+    logits = logits.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+    received = logits.softmax(-1).sum(2).sum(1)[0]                  # (12,)
+    heavy = sorted(received[:10].topk(4).indices.tolist())
+    assert kept[0, 0].tolist() == heavy + [10, 11]
+    assert torch.allclose(policy.scores[0][0, 0], received[kept[0, 0]].float())
+    assert policy.nbytes() == 6 * 4

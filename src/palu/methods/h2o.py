@@ -1,0 +1,77 @@
+"""H2O (Zhang et al., NeurIPS 2023): heavy hitters plus the recent window. Every kept token
+accumulates the attention it receives (summed over the steps' queries and the KV head's query
+heads); once a KV head holds more than `budget` tokens, it keeps the newest `window` and the
+`budget - window` older tokens with the highest accumulated attention. The accumulated scores
+(float32 per kept token and KV head) are state the cache holds: counted as metadata. Decoding
+one token at a time is the method, so one-pass scores are refused (`one_pass`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.subset_cache import SubsetPolicy
+from .base import MethodError, check_int
+from .token_subset import TokenSubset
+
+
+class H2OPolicy(SubsetPolicy):
+    """Per cache: the accumulated attention of every kept token, per layer (B, H, S)."""
+
+    def __init__(self, budget: int, window: int):
+        self.budget, self.window = budget, window
+        self.scores: dict[int, torch.Tensor] = {}
+
+    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+        B, H, S, d = keys.shape
+        T, n_rep = queries.shape[2], queries.shape[1] // H
+        k = keys.repeat_interleave(n_rep, 1)
+        logits = (queries @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
+        q_pos = torch.arange(S - T, S, device=keys.device)
+        logits = logits.masked_fill(torch.arange(S, device=keys.device)[None] > q_pos[:, None], float("-inf"))
+        received = logits.softmax(-1).sum(2).view(B, H, n_rep, S).sum(2).float()     # (B, H, S)
+        old = self.scores.get(layer)
+        total = received if old is None else received + torch.nn.functional.pad(old, (0, T))
+        if S <= self.budget:
+            self.scores[layer] = total
+            return None
+        older = S - self.window
+        heavy = total[..., :older].topk(self.budget - self.window, dim=-1).indices.sort(-1).values
+        keep = torch.cat([heavy, torch.arange(older, S, device=keys.device).expand(B, H, -1)], -1)
+        self.scores[layer] = total.gather(-1, keep)
+        return keep
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scores.values())
+
+
+@dataclass
+class H2O(TokenSubset):
+    name = "h2o"
+    one_pass = False
+    budget: int = 512        # tokens kept per KV head
+    window: int = 64         # of which the newest (the rest: heavy hitters)
+
+    def check(self) -> None:
+        check_int(self.budget, "budget", 2)
+        check_int(self.window, "window", 1)
+        if self.window >= self.budget:
+            raise MethodError(f"method.window={self.window} must be below method.budget={self.budget} "
+                              "(the rest of the budget holds the heavy hitters)")
+
+    @property
+    def tag(self) -> str:
+        return f"h2o-n{self.budget}-w{self.window}"
+
+    @property
+    def policy(self) -> H2OPolicy:
+        return H2OPolicy(self.budget, self.window)
+
+    def cache_nbytes(self, cache) -> dict:
+        n = super().cache_nbytes(cache)
+        extra = cache.policy.nbytes()
+        return {**n, "metadata": n["metadata"] + extra, "total": n["total"] + extra,
+                "read_per_step": n["read_per_step"] + extra}
+
+    def summary(self) -> dict:
+        return {"kv_bits": 16, "family": "eviction", "budget": self.budget, "window": self.window}
