@@ -18,6 +18,15 @@ pytestmark = pytest.mark.slow
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 
+def _cmdline(p) -> str:
+    """A process's command line; "" for one that exited meanwhile (Snakemake's short-lived
+    helpers: a zombie's cmdline raises on a loaded machine)."""
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
 def test_sigterm_to_a_rules_shell_ends_its_step_and_leaves_no_output(prepared_model):
     work = ROOT / "work" / "killed-job"
     shutil.rmtree(work, ignore_errors=True)
@@ -31,12 +40,12 @@ def test_sigterm_to_a_rules_shell_ends_its_step_and_leaves_no_output(prepared_mo
         shell, deadline = None, time.time() + 3600   # a guard against a hang, not a speed limit
         while shell is None and time.time() < deadline:
             for child in psutil.Process(proc.pid).children():      # the rule's shell
-                if any("palu.pipeline.cli.evaluate" in c for c in [" ".join(child.cmdline())]):
+                if "palu.pipeline.cli.evaluate" in _cmdline(child):
                     shell = child
             time.sleep(0.2)
         assert shell is not None, "the evaluate job never started"
         # the job's process tree as it runs: with `exec`, the shell is the step
-        steps = [p for p in [shell, *shell.children(recursive=True)] if "palu.pipeline.cli.evaluate" in " ".join(p.cmdline())
+        steps = [p for p in [shell, *shell.children(recursive=True)] if "palu.pipeline.cli.evaluate" in _cmdline(p)
                  and "python" in p.name()]
         assert steps, [p.cmdline() for p in [shell, *shell.children(recursive=True)]]
         shell.send_signal(signal.SIGTERM)
