@@ -18,10 +18,12 @@ def test_results_notebook_shows_every_table_and_figure_with_intervals():
     shown = "".join(str(o.get("data", {}).get("text/plain", "")) + str(o.get("text", ""))
                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     # a section per committed table and figure (a missing one raises in the notebook)
-    for table in sorted((ROOT / "results" / "tables").glob("*.csv")):
-        assert f"results/tables/{table.name}" in shown, table.name
-    for fig in sorted((ROOT / "results" / "figures").glob("*.png")):
-        assert f"results/figures/{fig.name}" in shown, fig.name
+    # ... and of the second model's grid (results/gemma3-270m/)
+    for folder in ("results", "results/gemma3-270m"):
+        for table in sorted((ROOT / folder / "tables").glob("*.csv")):
+            assert f"{folder}/tables/{table.name}" in shown, table
+        for fig in sorted((ROOT / folder / "figures").glob("*.png")):
+            assert f"{folder}/figures/{fig.name}" in shown, fig
     # perplexities print with their intervals, compressed rows with the paired difference
     base = pd.read_csv(ROOT / "results" / "tables" / "baseline.csv")
     for r in base.itertuples():
