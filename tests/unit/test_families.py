@@ -26,25 +26,29 @@ KNORM = "refused: q/k norm makes the query moment other than W_q G W_qᵀ"
 SUPPORT = {
     "llama / mistral / qwen2": {"palu": "yes", "palu 2-8 bit": "yes", "kernels": "yes",
                                 "attention objective": "yes", "head order": "yes",
-                                "kivi / atom / turboquant": "yes", "kvquant": "yes"},
+                                "kivi / atom / turboquant": "yes", "kvquant": "yes",
+                                "eviction / selection": "yes (Mistral / Qwen2 sliding layers: refused)"},
     "opt": {"palu": "yes", "palu 2-8 bit": "yes", "kernels": "yes (no RoPE)", "attention objective": "yes",
-            "head order": "yes", "kivi / atom / turboquant": "yes", "kvquant": "yes"},
+            "head order": "yes", "kivi / atom / turboquant": "yes", "kvquant": "yes",
+            "eviction / selection": "yes"},
     "qwen3": {"palu": "yes", "palu 2-8 bit": "yes", "kernels": "torch path (k-norm)",
               "attention objective": KNORM, "head order": "yes", "kivi / atom / turboquant": "yes",
-              "kvquant": "yes (keys after the k-norm)"},
+              "kvquant": "yes (keys after the k-norm)", "eviction / selection": "yes; palu_select refused (k-norm)"},
     "gemma3_text": {"palu": "yes", "palu 2-8 bit": "yes", "kernels": "torch path (k-norm)",
                     "attention objective": KNORM, "head order": "n/a (one KV head: M-LRD = J-LRD)",
-                    "kivi / atom / turboquant": "yes", "kvquant": "yes (keys after the k-norm)"},
+                    "kivi / atom / turboquant": "yes", "kvquant": "yes (keys after the k-norm)",
+                    "eviction / selection": "refused (sliding-window layers)"},
     "olmo2": {"palu": "yes", "palu 2-8 bit": "yes", "kernels": "torch path (k-norm)",
               "attention objective": KNORM, "head order": "yes (norm weights move with their heads)",
-              "kivi / atom / turboquant": "yes", "kvquant": "yes (keys after the k-norm)"},
+              "kivi / atom / turboquant": "yes", "kvquant": "yes (keys after the k-norm)",
+              "eviction / selection": "yes; palu_select refused (k-norm)"},
     "phi3": {"palu": "yes (qkv split exactly)", "palu 2-8 bit": "yes",
              "kernels": "yes; torch path under partial rotary",
              "attention objective": "yes; refused under partial rotary", "head order": "yes",
-             "kivi / atom / turboquant": "yes", "kvquant": "yes"},
+             "kivi / atom / turboquant": "yes", "kvquant": "yes", "eviction / selection": "yes"},
     "gemma2, any other": {k: "refused" for k in
                           ("palu", "palu 2-8 bit", "kernels", "attention objective", "head order",
-                           "kivi / atom / turboquant", "kvquant")},
+                           "kivi / atom / turboquant", "kvquant", "eviction / selection")},
 }
 
 
@@ -207,3 +211,22 @@ def test_the_decode_kernels_say_why_they_do_not_serve_a_family(name, reason, mon
         assert "k-norm" not in (why or "") and "partial" not in (why or "")
     else:
         assert reason in why, why
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3"])
+def test_eviction_follows_the_family_and_refuses_sliding_layers(name):
+    """StreamingLLM on a family with q/k norms or a fused qkv equals the model under its mask
+    (keys normalised, then rotated, as the model does); Gemma-3's sliding layers are refused."""
+    base = FAMILIES[name](0).double()
+    method = build_method({"name": "streaming_llm", "sink": 2, "window": 5})
+    model = copy.deepcopy(base)
+    method.install(model)
+    ids = _windows(13, 1)
+    q, k = torch.arange(T)[:, None], torch.arange(T)[None]
+    band = (k <= q) & ((k < 2) | (q - k < 5))
+    with torch.no_grad():
+        ref = base(ids, attention_mask=band[None, None], use_cache=False).logits
+        got = model(ids, past_key_values=method.make_cache(model), use_cache=True).logits
+    assert (got - ref).abs().max().item() < LOGIT_TOL, name
+    with pytest.raises(ValueError, match="sliding window"):
+        build_method({"name": "snapkv"}).install(copy.deepcopy(FAMILIES["gemma3"](0)))
