@@ -358,3 +358,26 @@ def test_h2o_keeps_the_window_and_the_most_attended_older_tokens():
     assert kept[0, 0].tolist() == heavy + [10, 11]
     assert torch.allclose(policy.scores[0][0, 0], received[kept[0, 0]].float())
     assert policy.nbytes() == 6 * 4
+
+
+@pytest.mark.parametrize("conf", [{"name": "streaming_llm", "sink": 2, "window": 6},
+                                  {"name": "snapkv", "compression_ratio": 0.5, "window": 4, "kernel": 3},
+                                  {"name": "pyramidkv", "compression_ratio": 0.5, "window": 4, "kernel": 3},
+                                  {"name": "tova", "budget": 8}, {"name": "h2o", "budget": 8, "window": 2},
+                                  {"name": "quest", "page": 4, "budget": 8}])
+def test_generate_through_each_cache_is_greedy_decoding_through_it(conf):
+    """transformers' generate places new tokens by the tokens *seen* (not the fewer kept) and
+    gives what a hand-written greedy loop through the same cache gives."""
+    base = tiny_llama(0).double()
+    method, model = _installed(base, conf)
+    ids = torch.randint(1, 97, (1, 16), generator=torch.Generator().manual_seed(3))   # no pad id
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             past_key_values=method.make_cache(model))
+        cache = method.make_cache(model)
+        logits, seq = model(ids, past_key_values=cache, use_cache=True).logits[:, -1], ids
+        for _ in range(8):
+            nxt = logits.argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], 1)
+            logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
+    assert torch.equal(out, seq) and cache.get_seq_length() == 24
