@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.subset_cache import SubsetPolicy
-from ..models.adapters import geometry_of
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
 
@@ -66,19 +65,15 @@ class Quest(TokenSubset):
     def policy(self) -> QuestPolicy:
         return QuestPolicy(self.page, self.budget)
 
-    def install(self, model) -> None:
-        super().install(model)
-        self._geom = geometry_of(model.config)
-
     def cache_nbytes(self, cache) -> dict:
         n = cache.nbytes()
-        geom = self._geom
         S = cache.kept_tokens()
-        elem = n["data"] // max(1, 2 * geom.num_layers * geom.num_kv_heads * S * geom.head_dim) if S else 2
-        bounds = 2 * math.ceil(S / self.page) * geom.num_kv_heads * geom.head_dim * elem * geom.num_layers
-        read = 2 * min(S, self.budget) * geom.num_kv_heads * geom.head_dim * elem * geom.num_layers
+        # one token's keys and values over all layers (2 H d elements each) = one page's bounds
+        # (a min and a max per key channel)
+        per_token = n["data"] // S if S else 0
+        bounds = math.ceil(S / self.page) * per_token
         return {"data": n["data"], "metadata": n["metadata"] + bounds, "total": n["total"] + bounds,
-                "read_per_step": read + bounds, "packed": False}
+                "read_per_step": min(S, self.budget) * per_token + bounds, "packed": False}
 
     def summary(self) -> dict:
         return {"kv_bits": 16, "family": "selection", "budget": self.budget, "page": self.page}
