@@ -230,3 +230,77 @@ def test_eviction_follows_the_family_and_refuses_sliding_layers(name):
     assert (got - ref).abs().max().item() < LOGIT_TOL, name
     with pytest.raises(ValueError, match="sliding window"):
         build_method({"name": "snapkv"}).install(copy.deepcopy(FAMILIES["gemma3"](0)))
+
+
+PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70]]
+
+
+def test_each_row_of_a_left_padded_batch_generates_what_its_prompt_does_alone(family, tmp_path):
+    """The per-token methods on every new family (Gemma-3's sliding layers included): a row of a
+    left-padded batch generates what its prompt generates alone."""
+    base = FAMILIES[family](0).double()
+    model = copy.deepcopy(base)
+    palu.compress(model, _windows(3, 4), kept_ratio=0.5, group_size=1, progress=False).save(tmp_path / "c")
+    n = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in PROMPTS])
+    for conf in ({"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": 16},
+                 {"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": 4},
+                 {"name": "atom", "bits": 4}, {"name": "turboquant", "bits": 3}):
+        method = build_method(dict(conf))
+        model = copy.deepcopy(base)
+        method.install(model)
+
+        def generate(x, m=None):
+            with torch.no_grad():
+                return model.generate(x, attention_mask=m, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                      past_key_values=method.make_cache(model))
+        batch = generate(ids, mask)[:, n:]
+        for row, prompt in enumerate(PROMPTS):
+            alone = generate(torch.tensor([prompt]))[0, len(prompt):]   # (stops early at EOS; the batch pads)
+            assert torch.equal(batch[row, :len(alone)], alone), (family, method.tag, row)
+            assert (batch[row, len(alone):] == 0).all(), (family, method.tag, row)
+
+
+ROPES = {
+    "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16,
+                             "rope_theta": 10000.0}),
+    "qwen3-dynamic": ("qwen3", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    "phi3-longrope": ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+                               "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    "gemma3-linear-global": ("gemma3", {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPES))
+def test_full_rank_palu_generates_as_the_model_or_refuses_the_rope_type(case):
+    """RoPE variants of the new families past their original 16 positions: static scalings
+    (Gemma-3's per-layer-type scaling included) generate as the model; the length-dependent ones
+    (dynamic, longrope) are refused by name."""
+    import transformers as tf
+    from palu.models.adapters import UnsupportedRopeError
+    family, rope = ROPES[case]
+    small = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, rope_parameters=rope)
+    torch.manual_seed(0)
+    base = {"qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**small, head_dim=16)),
+            "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**small, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                                             original_max_position_embeddings=16)),
+            "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+                **{**small, "num_key_value_heads": 1}, head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"]))}[family]().double().eval()
+    model = copy.deepcopy(base)
+    if rope.get("rope_type") in ("dynamic", "longrope"):
+        with pytest.raises(UnsupportedRopeError, match=rope["rope_type"]):
+            palu.compress(model, None, kept_ratio=1.0, group_size=1, decomposition="plain", progress=False)
+        return
+    palu.compress(model, None, kept_ratio=1.0, group_size=1, decomposition="plain", progress=False)
+    ids = torch.randint(1, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = base.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=0,
+                             past_key_values=LatentCache(model))
+    assert torch.equal(want, got), case
