@@ -49,4 +49,10 @@ class QuantKVAttention(FullHeads):
         out = F.scaled_dot_product_attention(
             q, keys, view.values, attn_mask=view.mask, scale=self.softmax_scale(),
             enable_gqa=self.geom.n_rep > 1)
+        eviction = getattr(self.method, "eviction", None)     # a composition with SnapKV
+        if eviction is not None and past == 0 and T > 1:
+            keep = eviction.keep(self.layer_idx, q, k, None, T, prefill=True, scale=self.softmax_scale())
+            if keep is not None:
+                pick = lambda t: t.gather(2, keep[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
+                cache.layers[self.layer_idx].evict(pick(k), pick(v), T)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None

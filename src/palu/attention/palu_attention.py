@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..cache.protocol import LatentStore, TensorLatents
 from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm
+from .observation import window_votes
 from .rope import apply_rope
 
 
@@ -74,7 +75,8 @@ class PaluAttention(nn.Module):
         # RoPE and no k-norm: both act on the full key)
         self.rebuilds_keys = geom.rope or not fuse or self.k_norm is not None
         self._rotary = (rotary,)  # a tuple: shared with the model, not a submodule of ours
-        self.selection = None     # a LatentSelection: decode steps read a subset (latent_selection.py)
+        self.selection = None
+        self.eviction = None      # a SnapKVPolicy: after the prefill, keep what it votes for (palu_snapkv.py)
         dtype, device = q.weight.dtype, q.weight.device
         self.ranks_k, self.ranks_v = factors.ranks_k, factors.ranks_v
         cast = dict(dtype=dtype, device=device)
@@ -158,6 +160,10 @@ class PaluAttention(nn.Module):
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
+        evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
+        if evicting:
+            from .subset_attention import _check_unpadded
+            _check_unpadded(attention_mask, "Palu + SnapKV")
         out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
                                                            attention_mask)
         if out is not None:   # the kernels served this step
@@ -169,6 +175,7 @@ class PaluAttention(nn.Module):
         if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
             kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         select = self.selection if T == 1 and past_key_values is not None else None
+        votes = [] if evicting else None
         outs, heads = [], []
         v_off = 0
         for g in range(self.n_groups):
@@ -205,16 +212,31 @@ class PaluAttention(nn.Module):
                 vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], hv_g.shape[1], hv_g.shape[-1])
             else:
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
+            if votes is not None:
+                votes.append(window_votes(qg, kg, self.eviction.window, self._sdpa_scale()))
             z = _sdpa(qg, kg, vg, None if idx is not None else mask, self._sdpa_scale(),
                       causal=mask is None and T > 1)
             if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
                 outs.append(z.transpose(1, 2).reshape(B, T, -1) @ self._wo(g).T)
             else:
                 heads.append(z)
+        if votes is not None:   # one set per layer: its groups' latents share one token axis
+            keep = self.eviction.choose(self.layer_idx, torch.cat(votes, 1).mean(1, keepdim=True), S)
+            if keep is not None:
+                past_key_values.layers[self.layer_idx].evict(keep[:, 0], S)
         if self.fuse:
             return torch.stack(outs).sum(0) + self.o_bias_fused, None
         attn = torch.cat(heads, 1).transpose(1, 2).reshape(B, T, -1)                 # (B, T, nh*hd)
         return self.o_proj(attn), None
+
+    def _evicts_after(self, T: int, cache) -> bool:
+        """Whether this step is a prefill after which the eviction policy chooses what stays."""
+        if self.eviction is None or T == 1:
+            return False
+        if not isinstance(cache, LatentStore) or not hasattr(cache, "layers"):
+            raise ValueError("Palu + SnapKV evicts from a LatentCache (method.make_cache(model)); "
+                             f"got {type(cache).__name__}")
+        return cache.get_seq_length(self.layer_idx) == 0
 
     def _kernels_may_run(self) -> bool:
         return self.fuse and self.backend != "torch" and self.selection is None

@@ -174,6 +174,36 @@ class LatentLayer(DynamicLayer):
         self.positions = self._append("positions", self.positions, positions, 1)
         return keys, values, self.positions
 
+    evicted = 0   # tokens seen but no longer held (a prefill-eviction composition, palu_snapkv)
+
+    def get_seq_length(self) -> int:
+        """Tokens seen (the next token's position), held or evicted."""
+        return super().get_seq_length() + self.evicted
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # masks span the tokens held (an evicted token has no column)
+        return super().get_seq_length() + query_length, 0
+
+    def evict(self, keep: torch.Tensor, seen: int) -> None:
+        """Hold only the tokens at indices `keep` (B, n) of those stored (one set per sequence,
+        for every group: the groups' latents share one token axis), with their positions, so
+        later keys are still rebuilt and rotated where their tokens were."""
+        held = super().get_seq_length()
+
+        def take(t, dim):
+            idx = keep.view(keep.shape[0], *([1] * (dim - 1)), keep.shape[1], *([1] * (t.dim() - dim - 1)))
+            return t.gather(dim, idx.expand(*t.shape[:dim], keep.shape[1], *t.shape[dim + 1:]))
+        self.keys, self.values = take(self.keys, self.keys.dim() - 2), take(self.values, self.values.dim() - 2)
+        for name in ("key_sz", "value_sz"):
+            if getattr(self, name) is not None:
+                setattr(self, name, take(getattr(self, name), 1))
+        self.positions = take(self.positions, 1)
+        self._room = {}                  # gathered tensors: the next append grows new buffers
+        self.contiguous = bool((self.positions == self.positions[:, :1]
+                                + torch.arange(keep.shape[1], device=keep.device)).all())
+        self._history = next(_FRESH)
+        self.evicted += held - keep.shape[1]
+
     def latents(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed mode: all stored key and value latents dequantised, (B, T, R) each."""
         return (_dequantize_groups(self.keys, self.key_sz, self.ranks[0], self.bits, dtype),
@@ -196,6 +226,9 @@ class LatentLayer(DynamicLayer):
                 setattr(self, name, fn(getattr(self, name)))
 
     def crop(self, tokens_to_remove: int) -> None:
+        if self.evicted:
+            raise TypeError("a latent cache that evicted tokens cannot crop (assisted or "
+                            "prompt-lookup decoding): decode without an assistant")
         super().crop(tokens_to_remove)
         if self.keys is not None:
             self._map_extras(lambda t: t[:, : self.keys.shape[-2]])

@@ -172,6 +172,7 @@ class QuantKVLayer(CacheLayerMixin):
         self.v = _Stream(value_codec, schedule, layer)
         self.schedule, self.layer_idx, self.keep_positions = schedule, layer, keep_positions
         self.positions: torch.Tensor | None = None
+        self.evicted = 0   # tokens seen but no longer held (a prefill-eviction composition)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -241,8 +242,22 @@ class QuantKVLayer(CacheLayerMixin):
         key_positions = None if self.positions is None else self.positions.index_select(1, index)
         return QuantKVView(torch.cat(col_k, 2), torch.cat(col_v, 2), index, mask, key_positions)
 
+    def evict(self, keys, values, seen: int) -> None:
+        """Hold only `keys` / `values` (B, H, n, d), the tokens a prefill-eviction method kept (in
+        order, a set per KV head), coded as this cache codes a prompt of those n tokens; every
+        later step appends after them. `get_seq_length` still counts all `seen` tokens (the next
+        token's position); masks span the tokens held."""
+        if self.keep_positions:
+            raise TypeError("a pre-RoPE quantised cache cannot evict: its keys are rotated at "
+                            "positions kept per token, not per KV head")
+        self.k = _Stream(self.k.codec, self.schedule, self.layer_idx)
+        self.v = _Stream(self.v.codec, self.schedule, self.layer_idx)
+        self.k.step(keys)
+        self.v.step(values)
+        self.evicted = seen - keys.shape[2]
+
     def get_seq_length(self) -> int:
-        return self.k.n
+        return self.k.n + self.evicted
 
     def crop(self, max_length: int) -> None:
         # assisted / prompt-lookup decoding removes rejected draft tokens with Cache.crop

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..attention.observation import window_votes
 from ..cache.subset_cache import SubsetPolicy
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
@@ -25,25 +26,26 @@ class SnapKVPolicy(SubsetPolicy):
         """Prompt tokens layer `layer` keeps (the same in every layer; PyramidKV overrides)."""
         return prompt - int(round(prompt * self.ratio))
 
-    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
-        if not prefill:
-            return None
-        B, H, S, d = keys.shape
+    def choose(self, layer: int, votes: torch.Tensor, S: int) -> torch.Tensor | None:
+        """Indices (B, X, kept) from votes (B, X, S - window) — X: KV heads, or 1 for a set shared
+        by the whole layer — pooled over `kernel` neighbours, plus the window; None keeps all."""
         n_keep = max(self.window, self.budget(layer, S))
         if n_keep >= S:
             return None
         w = self.window
-        n_rep = queries.shape[1] // H
-        obs = queries[:, :, -w:]                                              # (B, nh, w, d)
-        k = keys.repeat_interleave(n_rep, 1)
-        scores = (obs @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
-        causal = torch.arange(S, device=keys.device)[None] <= torch.arange(S - w, S, device=keys.device)[:, None]
-        scores = scores.masked_fill(~causal, float("-inf")).softmax(-1)       # (B, nh, w, S)
-        votes = scores[..., :S - w].sum(2).view(B, H, n_rep, S - w).mean(2)   # (B, H, S - w)
         votes = F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
         top = votes.topk(n_keep - w, dim=-1).indices.sort(-1).values
-        recent = torch.arange(S - w, S, device=keys.device).expand(B, H, w)
+        recent = torch.arange(S - w, S, device=votes.device).expand(*votes.shape[:2], w)
         return torch.cat([top, recent], -1)
+
+    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+        if not prefill:
+            return None
+        B, H, S, d = keys.shape
+        if max(self.window, self.budget(layer, S)) >= S:
+            return None
+        votes = window_votes(queries, keys, self.window, scale)                 # (B, nh, S - w)
+        return self.choose(layer, votes.view(B, H, -1, S - self.window).mean(2), S)
 
 
 @dataclass
