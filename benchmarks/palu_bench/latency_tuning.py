@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .latency import _bench, _rel_err, _row, palu_case, tune_params
+from .latency import _bench_rotated, _rel_err, _row, palu_case, rotation_copies, tune_params
 
 
 def tune_plan(cfg) -> list[tuple[dict, list]]:
@@ -34,15 +34,22 @@ def tune(cfg, ceil, log) -> list[dict]:
                                       case["kept"][1], case["bits"], case["rope"])
         if not case["rope"]:
             kw["bk"] = None
+        c["copies"] = rotation_copies(c["bytes"], cfg)   # inputs beyond L2, as the grid's rows
+        others = [palu_case(shape, 1, case["length"], case["group"], case["kept"][0], case["kept"][1],
+                            case["bits"], case["rope"], seed=seed)[:4] for seed in range(1, c["copies"])]
+        if not case["rope"]:
+            for other in others:
+                other[3]["bk"] = None
         # Every variant is checked against the float32 reference as well as timed: a faster
         # variant that computes something else must not look like a win.
         ref = latent_decode_reference(qi, hk, hv, **kw)
         for v in variants:
             params = tune_params(v)
-            fn = lambda: palu_decode(qi, hk, hv, **kw, **params)  # noqa: E731
+            fns = [lambda q=q, a=a, b=b, k=k: palu_decode(q, a, b, **k, **params)
+                   for q, a, b, k in [(qi, hk, hv, kw), *others]]
             try:
-                err = _rel_err(fn, ref)
-                t = _bench(fn, cfg["warmup_ms"], cfg["rep_ms"])
+                err = _rel_err(fns[0], ref)
+                t = _bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
                 row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
                            rel_err=err)
             except Exception as err:
@@ -50,6 +57,6 @@ def tune(cfg, ceil, log) -> list[dict]:
             log(f"tune {case} {v}: {row.get('seconds', float('nan')) * 1e6:.1f} us, "
                 f"rel. error {row.get('rel_err', float('nan')):.1e}")
             out.append(row)
-        del qi, hk, hv, ref
+        del qi, hk, hv, ref, others
         torch.cuda.empty_cache()
     return out

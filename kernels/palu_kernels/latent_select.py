@@ -70,14 +70,39 @@ def attend_selected(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk:
     return torch.einsum("bgin,bgnr->bgir", p, hv_sel.float()).reshape(B, G * n_rep, -1)
 
 
+def rope_table(length: int, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [length, D] at positions 0..length-1 (a cache's, built once, not per step)."""
+    ang = torch.arange(length, device=inv_freq.device).float()[:, None] * inv_freq.float()
+    return torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+
+
+def attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale: float, n_rep: int) -> torch.Tensor:
+    """`attend_selected` in the latents' dtype with fewer kernels: the chosen rows gathered,
+    keys rebuilt by one batched matmul, RoPE from the cache's cos / sin table at their
+    positions, then torch SDPA (values of the latent rank). -> z [B, H, Rv]."""
+    B, G, n = idx.shape
+    hk_sel = hk.gather(2, idx[..., None].expand(-1, -1, -1, hk.shape[-1]))
+    hv_sel = hv.gather(2, idx[..., None].expand(-1, -1, -1, hv.shape[-1]))
+    k = hk_sel @ bk.transpose(-1, -2).to(hk_sel.dtype)                              # [B, G, n, D]
+    cos, sin = table[0][idx], table[1][idx]                                           # [B, G, n, D]
+    k1, k2 = k.chunk(2, -1)
+    k = k * cos + torch.cat([-k2, k1], -1) * sin
+    z = torch.nn.functional.scaled_dot_product_attention(
+        q_rot.to(k.dtype)[:, :, None], k, hv_sel, scale=scale, enable_gqa=n_rep > 1)
+    return z[:, :, 0].float()
+
+
 def selection_decode(q, q_rot, hk, hv, bk, inv_freq, *, tokens: int, window: int, sketch: int,
-                     scale: float, n_rep: int, topk: str = "plain", sketch_latents=None):
+                     scale: float, n_rep: int, topk: str = "plain", sketch_latents=None, table=None):
     """One step: q / q_rot [B, H, D] (before / after RoPE), hk [B, KVH, T, Rk], hv [B, KVH, T, Rv],
     bk [KVH, D, Rk]. `sketch_latents` is a separately stored [B, KVH, T, sketch] copy (contiguous);
-    None reads the first `sketch` channels of `hk` in place."""
+    None reads the first `sketch` channels of `hk` in place. `table` (`rope_table`): attend through
+    `attend_selected_sdpa` instead of the float32 `attend_selected`."""
     q_lat = fold_query(q, bk, n_rep)
     sk = sketch_latents if sketch_latents is not None else hk[..., :sketch]
     idx = select_tokens(sketch_scores(q_lat, sk), tokens, window, topk)
+    if table is not None:   # the cache's cos / sin table: the fewer-kernel path
+        return attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale, n_rep)
     return attend_selected(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep)
 
 

@@ -50,6 +50,17 @@ def test_selection_equals_masked_dense_attention(sketch, topk):
     assert torch.allclose(out.double(), ref, atol=1e-6, rtol=1e-6)
 
 
+def test_the_sdpa_attend_path_equals_the_float32_one():
+    from palu_kernels.latent_select import rope_table
+    q, hk, hv, bk, inv_freq = _case()
+    T = hk.shape[2]
+    q_rot = rotate_query(q, T, inv_freq)
+    kw = dict(tokens=12, window=8, sketch=4, scale=1 / math.sqrt(q.shape[-1]), n_rep=2)
+    a = selection_decode(q, q_rot, hk, hv, bk, inv_freq, **kw)
+    b = selection_decode(q, q_rot, hk, hv, bk, inv_freq, table=rope_table(T, inv_freq, torch.float64), **kw)
+    assert torch.allclose(a.double(), b.double(), atol=1e-6)
+
+
 def test_every_token_chosen_is_the_dense_latent_attention():
     q, hk, hv, bk, inv_freq = _case()
     B, G, T, R = hk.shape
