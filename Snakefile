@@ -24,8 +24,7 @@ include: "workflow/rules/latency.smk"
 rule all:
     input:
         expand(str(naming.table_prefix(R, "{table}")) + ".{ext}", table=TABLES, ext=["csv", "md"]),
-        str(naming.figure_path(R, "rank_allocation")),
-        str(naming.table_prefix(R, "cache_memory")) + ".md",
+        COLLECT_TARGETS,
         QUANT_FIGURES,
         ZEROSHOT_TARGETS,
         LONGCONTEXT_TARGETS,

@@ -20,50 +20,62 @@ rule collect_table:
         "out={params.prefix} {TRACK} > {log} 2>&1"
 
 
-rule rank_allocation_figure:
-    input:
-        [GRID.ranks_file(s) for s in GRID.figure_specs()],
-    output:
-        str(naming.figure_path(R, "rank_allocation")),
-    log:
-        log("collect", "rank_figure"),
-    params:
-        inputs=lambda w, input: ",".join(input),
-    shell:
-        "exec {PY} -m palu.pipeline.cli.collect table=rank_figure 'inputs=[{params.inputs}]' out={output} "
-        "{TRACK} > {log} 2>&1"
+# the rank figure and the cache-memory table where the grid has their sections (the long-context
+# grid has neither)
+COLLECT_TARGETS = []
+if GRID.figure_specs():
+    COLLECT_TARGETS.append(str(naming.figure_path(R, "rank_allocation")))
+if config.get("memory"):
+    COLLECT_TARGETS.append(str(naming.table_prefix(R, "cache_memory")) + ".md")
+
+if GRID.figure_specs():
+
+    rule rank_allocation_figure:
+        input:
+            [GRID.ranks_file(s) for s in GRID.figure_specs()],
+        output:
+            str(naming.figure_path(R, "rank_allocation")),
+        log:
+            log("collect", "rank_figure"),
+        params:
+            inputs=lambda w, input: ",".join(input),
+        shell:
+            "exec {PY} -m palu.pipeline.cli.collect table=rank_figure 'inputs=[{params.inputs}]' out={output} "
+            "{TRACK} > {log} 2>&1"
 
 
-rule cache_memory_run:
-    input:
-        lambda w: GRID.run_inputs(w.run),
-    output:
-        str(naming.memory_path(R, M, "{run}", config["memory"]["context"], config["memory"]["corpus"])),
-    log:
-        log("generate", "{run}"),
-    params:
-        method=lambda w: GRID.run_overrides(w.run),
-        context=config["memory"]["context"],
-        corpus=config["memory"]["corpus"],
-    threads: threads_of("cache_memory_run")
-    resources: **needs("cache_memory_run")
-    shell:
-        "exec {PY} -m palu.pipeline.cli.generate {COMMON} {params.method} data={params.corpus} "
-        "generate.context={params.context} out={output} progress=false "
-        "> {log} 2>&1"
+if config.get("memory"):
+
+    rule cache_memory_run:
+        input:
+            lambda w: GRID.run_inputs(w.run),
+        output:
+            str(naming.memory_path(R, M, "{run}", config["memory"]["context"], config["memory"]["corpus"])),
+        log:
+            log("generate", "{run}"),
+        params:
+            method=lambda w: GRID.run_overrides(w.run),
+            context=config["memory"]["context"],
+            corpus=config["memory"]["corpus"],
+        threads: threads_of("cache_memory_run")
+        resources: **needs("cache_memory_run")
+        shell:
+            "exec {PY} -m palu.pipeline.cli.generate {COMMON} {params.method} data={params.corpus} "
+            "generate.context={params.context} out={output} progress=false "
+            "> {log} 2>&1"
 
 
-rule cache_memory:
-    input:
-        GRID.memory_files(),
-    output:
-        csv=str(naming.table_prefix(R, "cache_memory")) + ".csv",
-        md=str(naming.table_prefix(R, "cache_memory")) + ".md",
-    log:
-        log("collect", "cache_memory"),
-    params:
-        inputs=lambda w, input: ",".join(input),
-        prefix=str(naming.table_prefix(R, "cache_memory")),
-    shell:
-        "exec {PY} -m palu.pipeline.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
-        "out={params.prefix} {TRACK} > {log} 2>&1"
+    rule cache_memory:
+        input:
+            GRID.memory_files(),
+        output:
+            csv=str(naming.table_prefix(R, "cache_memory")) + ".csv",
+            md=str(naming.table_prefix(R, "cache_memory")) + ".md",
+        log:
+            log("collect", "cache_memory"),
+        params:
+            inputs=lambda w, input: ",".join(input),
+            prefix=str(naming.table_prefix(R, "cache_memory")),
+        shell:
+            "exec {PY} -m palu.pipeline.cli.collect table=cache_memory 'inputs=[{params.inputs}]' "
+            "out={params.prefix} {TRACK} > {log} 2>&1"

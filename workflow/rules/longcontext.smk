@@ -7,6 +7,8 @@ if config.get("longcontext"):
     LONGCONTEXT_TARGETS = [str(naming.table_prefix(R, "longcontext")) + ".md"]
     if GRID.longcontext_files("needles"):
         LONGCONTEXT_TARGETS.append(str(naming.figure_path(R, "needle_heatmap")))
+    if GRID.longcontext_files("ruler_style"):
+        LONGCONTEXT_TARGETS += [str(naming.figure_path(R, "ruler_bytes")), str(naming.figure_path(R, "ruler_heatmap"))]
 
     rule longcontext:
         input:
@@ -30,7 +32,7 @@ if config.get("longcontext"):
             "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
 
-    localrules: longcontext_table, needle_heatmap
+    localrules: longcontext_table, needle_heatmap, ruler_figure
 
     rule longcontext_table:
         input:
@@ -58,4 +60,20 @@ if config.get("longcontext"):
             inputs=lambda w, input: ",".join(input),
         shell:
             "exec {PY} -m palu.pipeline.cli.collect table=needle_heatmap 'inputs=[{params.inputs}]' out={output} "
+            "{TRACK} > {log} 2>&1"
+
+    # the RULER-style suite's accuracy against measured bytes, and its needle depth x length heatmap
+    rule ruler_figure:
+        input:
+            GRID.longcontext_files("ruler_style"),
+        output:
+            str(naming.figure_path(R, "{figure}")),
+        wildcard_constraints:
+            figure="ruler_bytes|ruler_heatmap",
+        log:
+            log("collect", "{figure}"),
+        params:
+            inputs=lambda w, input: ",".join(input),
+        shell:
+            "exec {PY} -m palu.pipeline.cli.collect table={wildcards.figure} 'inputs=[{params.inputs}]' out={output} "
             "{TRACK} > {log} 2>&1"

@@ -66,15 +66,16 @@ def evaluate_documents(model, tokenizer, method, docs: list[Document], max_lengt
                        log=None) -> dict:
     """Every document answered through the method's cache and scored; per-task means with 95%
     intervals (Wilson for 0/1 metrics, bootstrap otherwise)."""
-    from .generation import answer
+    from .generation import answer_and_bytes
     rows = []
     for i, d in enumerate(docs):
         ids, cut = prompt_ids(tokenizer, d, max_length)
-        text = answer(model, tokenizer, method, ids, d.max_new_tokens)
+        text, nbytes = answer_and_bytes(model, tokenizer, method, ids, d.max_new_tokens)
         scored = text.lstrip("\n").split("\n")[0] if d.first_line else text
         value = scorers.score(d.metric, scored, d.answers, all_classes=d.all_classes)
         rows.append({"task": d.task, "id": d.id, "metric": d.metric, "prompt_tokens": len(ids),
-                     "truncated": cut, "answers": d.answers, "answer": text, "score": value})
+                     "truncated": cut, "answers": d.answers, "answer": text, "score": value,
+                     **({"cache_bytes": nbytes} if nbytes else {}), **d.fields})
         if log is not None:
             log(f"{i + 1}/{len(docs)} {d.task} {d.id}: {d.metric} {value:.2f} "
                 f"({len(ids)} tokens{', cut' if cut else ''}; {text.strip()[:40]!r})")
@@ -92,4 +93,8 @@ def task_summary(rows: list[dict]) -> dict:
             lo, hi = ci["lo"], ci["hi"]
         out[task] = {"n": int(len(scores)), "score": float(scores.mean()), "lo": lo, "hi": hi,
                      "metric": next(r["metric"] for r in rows if r["task"] == task)}
+        held = [r["cache_bytes"] for r in rows if r["task"] == task and "cache_bytes" in r]
+        if held:   # bytes the cache held at the end of an answer, mean over the task's samples
+            out[task]["bytes_stored"] = float(np.mean([h["stored"] for h in held]))
+            out[task]["bytes_read_per_step"] = float(np.mean([h["read_per_step"] for h in held]))
     return out

@@ -82,4 +82,4 @@ def local_files_tag(name: str, s, dtype: str) -> str:
     return f"{name}-{tasks}-n{limit}-L{s.max_length}-d{short_hash(str(s.dir))}{prompts}-{dtype}"
 
 # registration: each module registers its suite on import
-from . import needles, qasper, longbench, ruler  # noqa: E402,F401
+from . import needles, qasper, longbench, ruler, ruler_style  # noqa: E402,F401

@@ -55,7 +55,13 @@ class Palu(CacheMethod):
     @property
     def tag(self) -> str:
         return (self.manifest["tag"] + bits_tag(self.bits)
-                + ("" if self.channel_group is None else f"-cg{self.channel_group}"))
+                + ("" if self.channel_group is None else f"-cg{self.channel_group}") + self.method_suffix)
+
+    @property
+    def method_suffix(self) -> str:
+        """What a method built on Palu's latents adds to the tag, from its own fields only (so a
+        grid names the run before the checkpoint exists): palu_select, palu_snapkv."""
+        return ""
 
     def lineage(self) -> tuple[str, ...]:
         return lineage_of(self.manifest)

@@ -31,9 +31,9 @@ class PaluSelect(Palu):
             check_int(self.sketch, "sketch")
 
     @property
-    def tag(self) -> str:
+    def method_suffix(self) -> str:
         sketch = "" if self.sketch is None else f"-sk{self.sketch}"
-        return f"{super().tag}-sel{self.tokens}-w{self.window}{sketch}"
+        return f"-sel{self.tokens}-w{self.window}{sketch}"
 
     def install(self, model) -> None:
         from ..models.adapters import adapter_for

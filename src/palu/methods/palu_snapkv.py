@@ -24,8 +24,8 @@ class PaluSnapKV(Palu, PrefillEviction):
         self.check_eviction()
 
     @property
-    def tag(self) -> str:
-        return super().tag + self.eviction_tag
+    def method_suffix(self) -> str:
+        return self.eviction_tag
 
     def install(self, model) -> None:
         windows = [i for i in range(model.config.num_hidden_layers) if layer_window(model.config, i) is not None]

@@ -238,7 +238,8 @@ class Grid(GridSections):
             return " ".join([f"method={spec['name']}"] +
                             [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
         # the checkpoint's manifest says how it was made: no palu.* setting is restated
-        return f"method=palu method.checkpoint={self.checkpoint(spec)} method.bits={spec.bits}"
+        return " ".join([f"method={spec.method} method.checkpoint={self.checkpoint(spec)} method.bits={spec.bits}"]
+                        + spec.method_overrides())
 
     def _run(self, run: str) -> PaluSpec | dict | None:
         runs = self.runs()

@@ -17,12 +17,16 @@ class GridSections:
         return self.kv_heads() if value == "kv_heads" else int(value)
 
     def granularity_specs(self) -> list[PaluSpec]:
-        g = self.config["granularity"]
+        g = self.config.get("granularity")
+        if not g:
+            return []
         return [PaluSpec(g["decomposition"], g["rank_method"], float(k), s)
                 for s in self.group_sizes(g["group_sizes"]) for k in g["kept_ratios"]]
 
     def rank_allocation_specs(self) -> list[PaluSpec]:
-        r = self.config["rank_allocation"]
+        r = self.config.get("rank_allocation")
+        if not r:           # a grid without the table (the long-context grid)
+            return []
         # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
         sizes = r.get("group_sizes", [r.get("group_size", 1)])
         groups = [self.group(g) for g in sizes]
@@ -119,10 +123,12 @@ class GridSections:
         """Palu rows of an evaluation suite (zeroshot, longcontext): each entry a kept ratio, group
         size and latent bits (uniform ranks, whitened SVD unless given)."""
         z = self.config.get(key) or {}
+        known = {"decomposition", "rank_method", "kept_ratio", "group_size", "bits", "method"}
         return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
                          float(p["kept_ratio"]),
                          self.group(p["group_size"]),
-                         int(p.get("bits", 16)))
+                         int(p.get("bits", 16)), method=p.get("method", "palu"),
+                         options=tuple(sorted((k, v) for k, v in p.items() if k not in known)))
                 for p in z.get("palu", [])]
 
     def zeroshot_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
@@ -247,7 +253,9 @@ class GridSections:
     def figure_specs(self) -> list[PaluSpec]:
         """rank_allocation.png: the allocations of `rank_figure.rank_methods` (or one
         `rank_method`) at one kept ratio and group size, one panel each."""
-        f = self.config["rank_figure"]
+        f = self.config.get("rank_figure")
+        if not f:                 # a grid without the figure (the long-context grid)
+            return []
         methods = f.get("rank_methods", [f["rank_method"]] if "rank_method" in f else [])
         if not methods:
             raise ValueError("grid rank_figure needs rank_methods (a list) or rank_method")

@@ -63,11 +63,24 @@ class PaluSpec:
     bits: int | str = 16       # or "alloc": the per-layer widths of an error_aware_bytes allocation
     rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
     recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
+    method: str = "palu"       # or a method on Palu's latents (palu_select, palu_snapkv) ...
+    options: tuple = ()        # ... and its own fields, sorted (key, value) pairs
 
     @property
     def tag(self) -> str:
         return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
-                               self.group_size, self.bits, rotation_tag(self.rotation), self.recovery)
+                               self.group_size, self.bits, rotation_tag(self.rotation),
+                               self.recovery) + self.method_suffix()
+
+    def method_suffix(self) -> str:
+        """The method's own tag suffix (from its fields: no checkpoint needed to name the run)."""
+        if self.method == "palu":
+            return ""
+        from palu.methods import build_method
+        return build_method({"name": self.method, "checkpoint": "-", **dict(self.options)}).method_suffix
+
+    def method_overrides(self) -> list[str]:
+        return [f"method.{k}={_value(v)}" for k, v in self.options]
 
     def base(self) -> "PaluSpec":
         """The same run without recovery (the checkpoint recovery starts from)."""
@@ -75,8 +88,9 @@ class PaluSpec:
                         self.bits, self.rotation)
 
     def checkpoint_spec(self) -> "PaluSpec":
-        """The checkpoint this run reads (its latents' bit width is the cache's, not the checkpoint's)."""
-        return dataclasses.replace(self, bits=16)
+        """The checkpoint this run reads (its latents' bit width is the cache's, not the checkpoint's;
+        a method on Palu's latents reads the plain Palu checkpoint)."""
+        return dataclasses.replace(self, bits=16, method="palu", options=())
 
     def overrides(self) -> list[str]:
         """The palu.* settings that make this run's checkpoint (steps ranks and decompose)."""

@@ -10,6 +10,7 @@ from palu.pipeline.reporting.figures import latent_outliers_figure, ppl_vs_bytes
 from palu.pipeline.reporting.memory_table import write_memory_table
 from palu.pipeline.reporting.tables import build_table, write_table
 from palu.pipeline.reporting.longcontext_table import needle_heatmap, write_longcontext_table
+from palu.pipeline.reporting.ruler_figures import accuracy_vs_bytes, ruler_heatmap
 from palu.pipeline.reporting.zeroshot_table import write_zeroshot_table
 from palu.pipeline.cli.common import entry_point, log, tracked
 
@@ -35,11 +36,13 @@ FIGURES = {"ppl_vs_bytes": ppl_vs_bytes_figure}
 
 # what each output's inputs are, as tracked artifact kinds (default: metrics JSON)
 INPUT_KINDS = {"rank_figure": "ranks", "ppl_vs_bytes": "table", "cache_memory": "memory",
-               "zeroshot": "zeroshot", "longcontext": "longcontext", "needle_heatmap": "longcontext"}
+               "zeroshot": "zeroshot", "longcontext": "longcontext", "needle_heatmap": "longcontext",
+               "ruler_bytes": "longcontext", "ruler_heatmap": "longcontext"}
 WRITERS = {"cache_memory": write_memory_table, "zeroshot": write_zeroshot_table,   # own formats
            "longcontext": write_longcontext_table}
 MULTI_FIGURES = {"needle_heatmap": needle_heatmap,    # figures of several result files
-                 "rank_figure": rank_allocation_figures}
+                 "rank_figure": rank_allocation_figures, "ruler_bytes": accuracy_vs_bytes,
+                 "ruler_heatmap": ruler_heatmap}
 
 
 def _used(cfg, inputs: list[str]) -> dict:

@@ -64,9 +64,26 @@ def _interval(scores) -> tuple[float, float]:
     return ci["lo"], ci["hi"]
 
 
+def _task_bytes(runs: list[dict]) -> dict[tuple[str, str], dict]:
+    """(method, task) -> the mean bytes its cache held at the end of an answer (stored; read per
+    decode step), where the results recorded them."""
+    out = {}
+    for r in runs:
+        by_task: dict[str, list] = {}
+        for s in r["longcontext"]["samples"]:
+            if "cache_bytes" in s:
+                by_task.setdefault(s.get("task", "needles"), []).append(s["cache_bytes"])
+        for task, held in by_task.items():
+            out[(r["summary"]["method"], task)] = {
+                "bytes_stored": float(np.mean([h["stored"] for h in held])),
+                "bytes_read_per_step": float(np.mean([h["read_per_step"] for h in held]))}
+    return out
+
+
 def longcontext_frame(paths: list[str]) -> pd.DataFrame:
     runs = _load(paths)
     scores = _task_scores(runs)
+    held = _task_bytes(runs)
     meta = {r["summary"]["method"]: r["summary"] for r in runs}
     ref = scores.get("fp16")
     rows = []
@@ -92,6 +109,7 @@ def longcontext_frame(paths: list[str]) -> pd.DataFrame:
                     d = paired_difference(values, ref[task])
                 row.update(diff_vs_fp16=d["diff"], diff_lo=d["lo"], diff_hi=d["hi"],
                            significant=d["significant"])
+            row.update(held.get((method, task), {}))
             rows.append(row)
     return pd.DataFrame(rows)
 
