@@ -40,6 +40,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
     from palu_kernels.latent_select import (attend_selected, attend_selected_sdpa, fold_query, rope_table,
                                             rotate_query, select_tokens, selection_decode, sketch_scores)
     from palu_kernels.reference import latent_decode_reference
+    from palu_kernels.select_attend import select_attend
     sc = cfg["selection"]
     rank, window = int(sc["kept"] * shape["head_dim"]), sc["window"]
     n_rep, D = shape["heads"] // shape["kv_heads"], shape["head_dim"]
@@ -69,7 +70,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                         return selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
                                                 tokens=tokens, window=window, sketch=sketch, topk=topk,
                                                 sketch_latents=c["sk"], table=table if attend == "sdpa" else None,
-                                                **kw)
+                                                fused=attend == "fused", **kw)
                     name = f"select-{'stored' if stored else 'inplace'}-sk{sketch}-k{tokens}-{topk}-{attend}"
                     try:
                         if topk != "plain" or attend != "fp32":   # the same tokens and output as the plain path
@@ -79,8 +80,9 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                             checks.append({"shape": shape_name, "length": T, "variant": name,
                                            "rel_err": _rel_err(lambda: step(cases[0]), plain)})
                         t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
-                        attend_fn = (attend_selected if attend == "fp32" else
-                                     lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(q, a, b, k, i, table, **kw2))
+                        attend_fn = {"fp32": attend_selected, "fused": select_attend,
+                                     "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
+                                         q, a, b, k, i, table, **kw2)}[attend]
                         parts = _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
                                        fold_query, sketch_scores, select_tokens, attend_fn)
                     except Exception as err:

@@ -89,3 +89,27 @@ def test_bad_settings_are_refused():
         select_tokens(scores, 40, 32)
     with pytest.raises(ValueError, match="topk='radix'"):
         select_tokens(scores, 4, 32, "radix")
+
+
+@pytest.mark.parametrize("n_rep, n", [(1, 40), (4, 37)])
+def test_the_fused_attend_kernel_equals_the_torch_attend(n_rep, n):
+    """palu_kernels.select_attend (Triton; the interpreter on CPU, the compiled kernel on a GPU
+    with TRITON_INTERPRET=0) against `attend_selected` on the same chosen tokens."""
+    import os
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from palu_kernels.latent_select import attend_selected
+    from palu_kernels.select_attend import select_attend
+    dev = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0" else "cpu"
+    B, G, T, R, D = 2, 2, 96, 16, 32
+    g = torch.Generator().manual_seed(n)
+    q_rot = torch.randn(B, G * n_rep, D, generator=g).half().to(dev)
+    hk = torch.randn(B, G, T, R, generator=g).half().to(dev)
+    hv = torch.randn(B, G, T, R, generator=g).half().to(dev)
+    bk = (torch.randn(G, D, R, generator=g) / math.sqrt(R)).half().to(dev)
+    idx = torch.stack([torch.randperm(T, generator=g)[:n].sort().values for _ in range(B * G)]).view(B, G, n).to(dev)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(dev)
+    ref = attend_selected(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep)
+    for splits in (1, 3):
+        out = select_attend(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep, splits=splits, block_n=16)
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-3
