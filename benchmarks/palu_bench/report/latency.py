@@ -42,6 +42,8 @@ def latency_frame(paths: list[str]) -> pd.DataFrame:
                 continue
             r = {**r, "device": run["device"], "created": run.get("created", ""),
                  "l2_rotated": bool(run.get("l2_rotated")), "_run_rows": len(run["rows"])}
+            if r["variant"].startswith("select-") and "attend" not in r:
+                r["variant"] += "-fp32"   # rows named before the attend path was a setting: fp32's
             key = (r["shape"], r.get("batch"), r["length"])
             if "seconds" in r and "speedup_eager" not in r and key in eager:
                 r["speedup_eager"] = eager[key] / r["seconds"]    # older runs: from their eager row
