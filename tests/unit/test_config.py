@@ -111,7 +111,7 @@ def test_grids_parse():
     for path in (Path(CONF_DIR) / "grid").glob("*.yaml"):
         grid = Grid.load(path)
         assert grid.common_overrides()
-        assert grid.rank_allocation_specs() or path.stem == "long"   # the long grid: long-context only
+        assert grid.rank_allocation_specs() or path.stem.startswith("long")   # long-context grids
     with pytest.raises(ValueError, match="unknown grid keys"):
         Grid({"model": "x", "calibration": {}, "fisher": {}, "typo": 1})
 
@@ -258,3 +258,14 @@ def test_each_step_records_the_groups_it_reads_and_no_other():
         assert recorded == {"model", "paths", "tracking", *groups}, step
         assert config_of(cfg, step)["seed"] == cfg.seed, step      # top-level settings always
     assert config_of(cfg, "some_new_step") == to_dict(cfg)           # unlisted: everything
+
+
+def test_the_long_pilot_grid_runs_the_long_grids_methods():
+    """conf/grid/long_pilot.yaml is long.yaml at fewer prompts: the same methods, or its numbers
+    would pilot something else."""
+    long, pilot = (yaml.safe_load((Path(CONF_DIR) / "grid" / f"{name}.yaml").read_text())
+                   for name in ("long", "long_pilot"))
+    assert long["longcontext"]["palu"] == pilot["longcontext"]["palu"]
+    assert long["longcontext"]["baselines"] == pilot["longcontext"]["baselines"]
+    assert {k: v for k, v in long.items() if k not in ("results", "longcontext")} == \
+        {k: v for k, v in pilot.items() if k not in ("results", "longcontext")}

@@ -121,3 +121,15 @@ def test_bits_and_rotations_are_paired_and_the_main_view_shows_each_interval(tmp
     assert f"Δ{r.diff_vs_fp16:+.2f} [{r.diff_lo:+.2f}, {r.diff_hi:+.2f}]" in text.split("## Paired")[0]
     main = text.split("## Paired")[0]
     assert main.index("| fp16") < main.index("| p16") < main.index("| p3 ") < main.index("| p3-rot")
+
+
+def test_a_stratum_of_one_sample_gives_an_interval_over_the_strata_not_zero_width():
+    """One prompt per task: within-task resampling has nothing to resample (a zero-width interval
+    claimed certainty); the tasks' means are resampled instead."""
+    from palu.eval.stats import stratified_mean
+    ci = stratified_mean([[1.0], [0.0], [1.0], [0.0]])
+    assert ci["value"] == 0.5 and ci["lo"] < 0.3 and ci["hi"] > 0.7
+    d = stratified_mean([[1.0], [0.0], [1.0]], reference=[[1.0], [1.0], [1.0]])
+    assert d["value"] == pytest.approx(-1 / 3) and d["lo"] < d["value"] < d["hi"] and not d["significant"]
+    wide = stratified_mean([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])     # unchanged where strata have spread
+    assert wide["lo"] < wide["value"] < wide["hi"]

@@ -51,7 +51,9 @@ def sign_test(differences) -> float:
 def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) -> dict:
     """The mean over strata (tasks) of each stratum's mean, with a 95% bootstrap interval that
     resamples within every stratum; with `reference` (the same strata, paired sample by sample)
-    the statistic is the difference of the two such means. Stratum sizes may differ."""
+    the statistic is the difference of the two such means. Stratum sizes may differ; where one
+    holds a single sample, the strata's means are resampled instead (a zero-width interval
+    otherwise)."""
     strata = [np.asarray(s, dtype=float) for s in strata]
     if reference is not None:
         reference = [np.asarray(r, dtype=float) for r in reference]
@@ -61,8 +63,14 @@ def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) 
     if not strata or any(len(s) == 0 for s in strata):
         raise ValueError("every stratum needs at least one sample")
     rng = np.random.default_rng(seed)
-    boot = np.mean([s[rng.integers(0, len(s), size=(iters, len(s)))].mean(axis=1) for s in strata],
-                   axis=0)
+    if min(len(s) for s in strata) < 2:
+        # a stratum of one sample has no spread to resample: within-stratum resampling would give
+        # a zero-width interval. Resample the strata's means instead (the tasks as the units)
+        means = np.array([s.mean() for s in strata])
+        boot = means[rng.integers(0, len(means), size=(iters, len(means)))].mean(axis=1)
+    else:
+        boot = np.mean([s[rng.integers(0, len(s), size=(iters, len(s)))].mean(axis=1) for s in strata],
+                       axis=0)
     lo, hi = np.quantile(boot, [0.025, 0.975])
     value = float(np.mean([s.mean() for s in strata]))
     out = {"value": value, "lo": float(lo), "hi": float(hi), "significant": bool(lo > 0 or hi < 0)}

@@ -117,9 +117,9 @@ def ruler_heatmap(paths: list[str], out: str | Path, bins: int = 5, columns: int
         ax.set_yticks(range(bins), labels, fontsize=7)
         for (i, j), v in np.ndenumerate(share.values):
             n = count.values[i, j]
-            text = "—" if np.isnan(v) else f"{100 * v:.0f}%\nn={int(n)}"
+            text = "no\nprompt" if np.isnan(v) else f"{100 * v:.0f}%\nn={int(n)}"
             ax.text(j, i, text, ha="center", va="center", fontsize=6.5,
-                    color="black" if not np.isnan(v) and v >= 0.5 else "white")
+                    color="black" if np.isnan(v) or v >= 0.5 else "white")
         ax.set_title(textwrap.fill(r["summary"]["method"].split("/")[0], 26), fontsize=7)
         if k % cols == 0:
             ax.set_ylabel("needle depth")
@@ -127,7 +127,7 @@ def ruler_heatmap(paths: list[str], out: str | Path, bins: int = 5, columns: int
     for ax in list(axes.flat)[len(runs):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="share of needle values found")
-    fig.suptitle("RULER-style needles (niah_*) through each cache, by depth and length", fontsize=9)
+    fig.suptitle("RULER-style needles (niah_*) through each cache, by depth and length", fontsize=9, y=1.03)
     _save(fig, out)
 
 
