@@ -133,3 +133,5 @@ def test_a_stratum_of_one_sample_gives_an_interval_over_the_strata_not_zero_widt
     assert d["value"] == pytest.approx(-1 / 3) and d["lo"] < d["value"] < d["hi"] and not d["significant"]
     wide = stratified_mean([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])     # unchanged where strata have spread
     assert wide["lo"] < wide["value"] < wide["hi"]
+    with pytest.raises(ValueError, match="one sample has no interval"):
+        stratified_mean([[0.5]])

@@ -88,6 +88,8 @@ def task_summary(rows: list[dict]) -> dict:
         scores = np.array([r["score"] for r in rows if r["task"] == task])
         if np.isin(scores, (0.0, 1.0)).all():
             lo, hi = wilson_interval(int(scores.sum()), len(scores))
+        elif len(scores) < 2:   # one fractional score: no spread to estimate an interval from
+            lo, hi = 0.0, 1.0
         else:
             ci = stratified_mean([scores])
             lo, hi = ci["lo"], ci["hi"]

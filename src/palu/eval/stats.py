@@ -62,6 +62,8 @@ def stratified_mean(strata, iters: int = 10_000, seed: int = 0, reference=None) 
         strata = [s - r for s, r in zip(strata, reference)]
     if not strata or any(len(s) == 0 for s in strata):
         raise ValueError("every stratum needs at least one sample")
+    if len(strata) == 1 and len(strata[0]) == 1:
+        raise ValueError("one sample has no interval: a bootstrap of it would claim zero width")
     rng = np.random.default_rng(seed)
     if min(len(s) for s in strata) < 2:
         # a stratum of one sample has no spread to resample: within-stratum resampling would give

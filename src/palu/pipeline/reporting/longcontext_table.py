@@ -60,6 +60,8 @@ def _interval(scores) -> tuple[float, float]:
     a = np.asarray(scores, dtype=float)
     if np.isin(a, (0.0, 1.0)).all():
         return wilson_interval(int(a.sum()), len(a))
+    if len(a) < 2:      # one fractional score: no spread to estimate an interval from
+        return 0.0, 1.0
     ci = stratified_mean([a])
     return ci["lo"], ci["hi"]
 
@@ -105,6 +107,9 @@ def longcontext_frame(paths: list[str]) -> pd.DataFrame:
                 if values is None:
                     d = stratified_mean([tasks[t] for t in main], reference=[ref[t] for t in main])
                     d = {"diff": d["value"], "lo": d["lo"], "hi": d["hi"], "significant": d["significant"]}
+                elif len(values) < 2:   # one pair: no interval to estimate (a bootstrap says zero width)
+                    d = {"diff": float(np.mean(values) - np.mean(ref[task])), "lo": -1.0, "hi": 1.0,
+                         "significant": False}
                 else:
                     d = paired_difference(values, ref[task])
                 row.update(diff_vs_fp16=d["diff"], diff_lo=d["lo"], diff_hi=d["hi"],
