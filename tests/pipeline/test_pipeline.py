@@ -76,9 +76,15 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     # needle retrieval and Qasper answers generated through each cache, and the needle heatmap
     lc = pd.read_csv(results / "tables" / "longcontext.csv")
     assert set(lc["method"]) == {"fp16", "palu-whitened-uniform-k0.5-g3-b4"}
-    assert set(lc["task"]) == {"needles", "needles_L160", "qasper_yesno", "average"}
-    assert (lc.loc[lc["task"] != "average", "n"] == 2).all() and (lc.loc[lc["task"] == "average", "n"] == 4).all()
-    assert (results / "figures" / "needle_heatmap.png").stat().st_size > 10_000
+    ruler = {"niah_single@512", "qa@512"}       # the RULER-style slice: one prompt per task
+    assert set(lc["task"]) == {"needles", "needles_L160", "qasper_yesno", "average", *ruler}
+    assert (lc.loc[lc["task"].isin(["needles", "needles_L160", "qasper_yesno"]), "n"] == 2).all()
+    assert (lc.loc[lc["task"].isin(ruler), "n"] == 1).all() and (lc.loc[lc["task"] == "average", "n"] == 6).all()
+    # the bytes each cache held per answer (document suites): Palu's 4-bit latents < FP16's K/V
+    held = lc[lc["task"] == "qa@512"].set_index("method")["bytes_stored"]
+    assert 0 < held["palu-whitened-uniform-k0.5-g3-b4"] < held["fp16"] / 4
+    for fig in ("needle_heatmap", "ruler_bytes", "ruler_heatmap"):
+        assert (results / "figures" / f"{fig}.png").stat().st_size > 10_000
     _check_wandb_runs(TEST_WORK / "wandb", results)
 
     # A rerun after success does nothing.
