@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import MethodError, check_int
-from .snapkv import SnapKVPolicy
+from .snapkv import SnapKVPolicy, check_snapkv
 
 
 @dataclass
@@ -19,13 +18,8 @@ class PrefillEviction:
     evict_kernel: int = 5       # SnapKV's pooling over neighbouring tokens (odd)
 
     def check_eviction(self) -> None:
-        r = self.evict_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-            raise MethodError(f"method.evict_ratio={r!r} must be in [0, 1) (the fraction of the prompt removed)")
-        check_int(self.evict_window, "evict_window")
-        check_int(self.evict_kernel, "evict_kernel")
-        if self.evict_kernel % 2 == 0:
-            raise MethodError(f"method.evict_kernel={self.evict_kernel!r} must be odd (pooling centred on each token)")
+        check_snapkv(self.evict_ratio, self.evict_window, self.evict_kernel,
+                     ("evict_ratio", "evict_window", "evict_kernel"))
 
     @property
     def eviction_tag(self) -> str:

@@ -48,6 +48,16 @@ class SnapKVPolicy(SubsetPolicy):
         return self.choose(layer, votes.view(B, H, -1, S - self.window).mean(2), S)
 
 
+def check_snapkv(ratio, window, kernel, names=("compression_ratio", "window", "kernel")) -> None:
+    """SnapKV's settings (also its compositions', under their own field names)."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+        raise MethodError(f"method.{names[0]}={ratio!r} must be in [0, 1) (the fraction of the prompt removed)")
+    check_int(window, names[1])
+    check_int(kernel, names[2])
+    if kernel % 2 == 0:
+        raise MethodError(f"method.{names[2]}={kernel!r} must be odd (pooling centred on each token)")
+
+
 @dataclass
 class SnapKV(TokenSubset):
     name = "snapkv"
@@ -57,13 +67,7 @@ class SnapKV(TokenSubset):
     kernel: int = 5                  # pooling over neighbouring tokens (odd)
 
     def check(self) -> None:
-        r = self.compression_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
-            raise MethodError(f"method.compression_ratio={r!r} must be in [0, 1) (the fraction removed)")
-        check_int(self.window, "window")
-        check_int(self.kernel, "kernel")
-        if self.kernel % 2 == 0:
-            raise MethodError(f"method.kernel={self.kernel!r} must be odd (pooling centred on each token)")
+        check_snapkv(self.compression_ratio, self.window, self.kernel)
 
     @property
     def tag(self) -> str:
