@@ -65,37 +65,37 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                                                         tokens=T - window, window=window, sketch=sketch, **kw), ref)
                 checks.append({"shape": shape_name, "variant": "select-all-tokens", "rel_err": err})
             for tokens, topk, attend in [(k, t, a) for k in sc["tokens"] if k + window < T
-                                         for t in sc["topk"] for a in sc.get("attend", ["fp32"])]:
-                    def step(c, tokens=tokens, topk=topk, attend=attend):
-                        return selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
-                                                tokens=tokens, window=window, sketch=sketch, topk=topk,
-                                                sketch_latents=c["sk"], table=table if attend == "sdpa" else None,
-                                                fused=attend == "fused", **kw)
-                    name = f"select-{'stored' if stored else 'inplace'}-sk{sketch}-k{tokens}-{topk}-{attend}"
-                    try:
-                        if topk != "plain" or attend != "fp32":   # the same tokens and output as the plain path
-                            plain = selection_decode(cases[0]["q"], cases[0]["q_rot"], cases[0]["hk"], cases[0]["hv"],
-                                                     cases[0]["bk"], inv_freq, tokens=tokens, window=window,
-                                                     sketch=sketch, sketch_latents=cases[0]["sk"], **kw)
-                            checks.append({"shape": shape_name, "length": T, "variant": name,
-                                           "rel_err": _rel_err(lambda: step(cases[0]), plain)})
-                        t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
-                        attend_fn = {"fp32": attend_selected, "fused": select_attend,
-                                     "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
-                                         q, a, b, k, i, table, **kw2)}[attend]
-                        parts = _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
-                                       fold_query, sketch_scores, select_tokens, attend_fn)
-                    except Exception as err:
-                        rows.append({"variant": name, "shape": shape_name, "batch": B, "length": T,
-                                     "error": f"{type(err).__name__}: {err}"[:300]})
-                        log(f"{name} {shape_name} T={T}: FAILED {type(err).__name__}: {err}"[:300])
-                        continue
-                    counts = {**step_counts(shape, B, T, rank, sketch, tokens + window, topk), "copies": copies}
-                    rows.append(_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base),
-                                     rank_k=rank, rank_v=rank, tokens=tokens, window=window, sketch=sketch,
-                                     topk=topk, attend=attend, stored_sketch=stored, rope=True, **parts))
-                    log(f"{name} {shape_name} T={T}: {t * 1e6:.1f} us ({base['sdpa'] / t:.2f}x SDPA; "
-                        + ", ".join(f"{k[5:-2]} {v * 1e6:.1f}" for k, v in parts.items()) + ")")
+                                     for t in sc["topk"] for a in sc.get("attend", ["fp32"])]:
+                def step(c, tokens=tokens, topk=topk, attend=attend):
+                    return selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
+                                            tokens=tokens, window=window, sketch=sketch, topk=topk,
+                                            sketch_latents=c["sk"], table=table if attend == "sdpa" else None,
+                                            fused=attend == "fused", **kw)
+                name = f"select-{'stored' if stored else 'inplace'}-sk{sketch}-k{tokens}-{topk}-{attend}"
+                try:
+                    if topk != "plain" or attend != "fp32":   # the same tokens and output as the plain path
+                        plain = selection_decode(cases[0]["q"], cases[0]["q_rot"], cases[0]["hk"], cases[0]["hv"],
+                                                 cases[0]["bk"], inv_freq, tokens=tokens, window=window,
+                                                 sketch=sketch, sketch_latents=cases[0]["sk"], **kw)
+                        checks.append({"shape": shape_name, "length": T, "variant": name,
+                                       "rel_err": _rel_err(lambda: step(cases[0]), plain)})
+                    t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
+                    attend_fn = {"fp32": attend_selected, "fused": select_attend,
+                                 "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
+                                     q, a, b, k, i, table, **kw2)}[attend]
+                    parts = _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
+                                   fold_query, sketch_scores, select_tokens, attend_fn)
+                except Exception as err:
+                    rows.append({"variant": name, "shape": shape_name, "batch": B, "length": T,
+                                 "error": f"{type(err).__name__}: {err}"[:300]})
+                    log(f"{name} {shape_name} T={T}: FAILED {type(err).__name__}: {err}"[:300])
+                    continue
+                counts = {**step_counts(shape, B, T, rank, sketch, tokens + window, topk), "copies": copies}
+                rows.append(_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base),
+                                 rank_k=rank, rank_v=rank, tokens=tokens, window=window, sketch=sketch,
+                                 topk=topk, attend=attend, stored_sketch=stored, rope=True, **parts))
+                log(f"{name} {shape_name} T={T}: {t * 1e6:.1f} us ({base['sdpa'] / t:.2f}x SDPA; "
+                    + ", ".join(f"{k[5:-2]} {v * 1e6:.1f}" for k, v in parts.items()) + ")")
             del cases
             torch.cuda.empty_cache()
     return rows
