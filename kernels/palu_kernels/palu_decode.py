@@ -25,6 +25,7 @@ from .combine import _combine
 from .decode_inputs import check_inputs, check_positions
 from .decode_policy import (_SLOTS, _dynamic_chunks, _even_splits, _pow2_block, _resident_programs,
                             _sm_count, _use_asm, scores_plan)
+from .hopper_scores import rope_scores as hopper_rope_scores
 from .launch_defaults import (_fused_unfit, _stored_pad, _values_unfit, one_pass_options, one_pass_tiles,
                               values_splits)
 from .one_pass import _fused_norope
@@ -100,7 +101,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
                 qproj_warps: int | None = None, qproj_int: bool | None = None,
-                qproj_pair: bool | None = None) -> torch.Tensor:
+                qproj_pair: bool | None = None, hopper: bool | None = None) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `palu_kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -117,6 +118,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
     `qproj_int_default`; `qproj_pair`: fp16 latents two heads per program, `_scores_qproj_pair`,
     None: where measured faster, `qproj_pair_default`);
+    `hopper=True`: RoPE scores by the warp-specialised CUDA kernel of `hopper_scores` (M-LRD rank 64,
+    fp16 latents, contiguous positions, 1 or 4 query heads per KV head, a Hopper GPU; else an error
+    naming why); None / False: the Triton scores kernels;
     `fused_block_t` / `fused_warps=None`: the measured tiles of `one_pass_tiles`;
     `fused_stages=None` picks 2 for fp16 and 3 for packed latents, `fused_maxnreg` caps its
     registers per thread (0: no cap), `fused_int_keys` sends packed keys through int8
@@ -126,6 +130,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     is checked. bf16 latents and queries are taken to fp16 on-chip (exact for
     6e-5 <= |x| < 65504, fp16's normal range; latents of real models lie well inside it).
     """
+    if hopper and bk is None:
+        raise ValueError("hopper=True: the Hopper kernel computes RoPE scores, and this is not a RoPE layer (bk=None)")
     x = check_inputs(q, hk, hv, bk, n_rep, group_size, lengths)
     q, bk, lengths, dev = x.q, x.bk, x.lengths, x.dev
     kbits, kdata, kscale, kzero, rk = x.kbits, x.kdata, x.kscale, x.kzero, x.rk
@@ -154,7 +160,10 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     M = max(16, triton.next_power_of_2(rows))
     S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
     ks = kscale if kbits != 16 else kdata
-    if plan.kernel == "qproj_pair":
+    if hopper:
+        S = hopper_rope_scores(q, kdata if kbits == 16 else hk, bk, pos0, inv_freq, lengths, scale * LOG2E,
+                               n_rep, group_size=group_size, contiguous_positions=contig)
+    elif plan.kernel == "qproj_pair":
         _scores_qproj_pair[(B * units // 2, splits)](
             q, kdata, bk, pos0, inv_freq, S, lengths, per_split, scale * LOG2E,
             q.stride(0), q.stride(1), kdata.stride(0), kdata.stride(1), kdata.stride(2),
