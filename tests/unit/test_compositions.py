@@ -188,3 +188,32 @@ def test_palu_snapkv_refuses_a_padded_batch(one_layer, palu_checkpoints):
     with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
         model(ids[:, :T].expand(2, -1), attention_mask=mask, past_key_values=method.make_cache(model),
               use_cache=True)
+
+
+@pytest.mark.parametrize("kind", ["default", "linear", "yarn", "llama3", "dynamic"])
+def test_palu_snapkv_at_full_rank_is_snapkv_under_each_rope_type(kind, tmp_path):
+    """The kept tokens' keys are rotated when read, at the positions they were seen at: under every
+    RoPE type a full-rank Palu model supports (beyond the 16 original positions, where the scaled
+    types differ) the composition decodes as SnapKV alone; a type whose rotation of a cached key
+    changes with the length (dynamic NTK) is refused by name (tests/unit/test_rope_types.py)."""
+    import palu
+    from palu.models.adapters import UnsupportedRopeError
+    from test_rope_types import ROPE
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)    # one KV head: SnapKV's set per head is the composition's set per layer
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=16, rope_scaling=ROPE[kind])).double().eval()
+    calib = torch.randint(0, 97, (4, 16), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 97, (1, T + NEW), generator=torch.Generator().manual_seed(3))
+    if kind == "dynamic":
+        with pytest.raises(UnsupportedRopeError, match="dynamic"):
+            palu.compress(copy.deepcopy(base), calib, kept_ratio=1.0, group_size=1, progress=False)
+        return
+    assert ROPE[kind] is None or ROPE[kind]["rope_type"] == kind
+    palu.compress(copy.deepcopy(base), calib, kept_ratio=1.0, group_size=1,
+                  progress=False).save(tmp_path / "c")
+    _, _, snap_pre, snap_steps = _run(base, {"name": "snapkv", **SNAP}, ids)
+    _, cache, pre, steps = _run(base, {"name": "palu_snapkv", "checkpoint": str(tmp_path / "c"), **EVICT}, ids)
+    assert (pre - snap_pre).abs().max().item() < 1e-8 and (steps - snap_steps).abs().max().item() < 1e-8
+    assert all(layer.keys.shape[-2] == T // 2 + NEW for layer in cache.layers)
