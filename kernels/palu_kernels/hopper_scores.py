@@ -22,11 +22,16 @@ RANK, HALF, TILE = 64, 64, 64
 # compiled (query heads per KV head, frequencies per consumer warp, ring slots): PALU_VARIANTS in the .cu
 VARIANTS = {(1, 32, 4), (1, 16, 2), (1, 16, 4), (1, 16, 6), (4, 16, 4), (4, 32, 4)}
 PER_WARP, STAGES = 16, 4      # the default variant (benchmarks/NOTES.md, issue 39 h2)
+# The fold's rank columns in the order the kernel's mma K positions take them: K position kk of k-step
+# ks is physical rank 16 c + 4 ks + 2 (kk >> 3) + (kk & 1), c = (kk & 7) >> 1, so the thread of lane
+# column c reads the contiguous physical ranks [16 c, 16 c + 16) of a token (two 16-byte loads).
+RANK_ORDER = [16 * ((kk & 7) >> 1) + 4 * ks + 2 * (kk >> 3) + (kk & 1) for ks in range(4) for kk in range(16)]
 
 
 def fold_query(q: torch.Tensor, bk: torch.Tensor, n_rep: int, per_warp: int = PER_WARP) -> torch.Tensor:
     """The folded query in the kernel's layout, fp16 [B, H, 64 / w, 2 w, 64] (w = per_warp): for query
-    head u (KV head u // n_rep) and warp p, rows [0, w) are a_f, rows [w, 2w) c_f for f = w p + row % w, with
+    head u (KV head u // n_rep) and warp p, rows [0, w) are a_f, rows [w, 2w) c_f for f = w p + row % w,
+    rank columns in RANK_ORDER, with
     a_f = q1_f B1_f + q2_f B2_f and c_f = q2_f B1_f - q1_f B2_f (fp16 inputs, float32 sums, one fp16
     rounding: as `_scores_qproj` folds)."""
     B, H, D = q.shape
@@ -36,7 +41,7 @@ def fold_query(q: torch.Tensor, bk: torch.Tensor, n_rep: int, per_warp: int = PE
     a, c = q1 * b1 + q2 * b2, q2 * b1 - q1 * b2                                         # [B, H, 64, R]
     w = per_warp
     parts = [torch.cat([a[:, :, p * w:(p + 1) * w], c[:, :, p * w:(p + 1) * w]], 2) for p in range(HALF // w)]
-    return torch.stack(parts, 2).to(torch.float16).contiguous()
+    return torch.stack(parts, 2).to(torch.float16)[..., RANK_ORDER].contiguous()
 
 
 def folded_scores_reference(fold: torch.Tensor, hk: torch.Tensor, pos0: torch.Tensor,
@@ -48,7 +53,7 @@ def folded_scores_reference(fold: torch.Tensor, hk: torch.Tensor, pos0: torch.Te
     f, w = fold.double(), fold.shape[3] // 2
     a = torch.cat([f[:, :, p, :w] for p in range(f.shape[2])], 2)                      # [B, H, 64, R]
     c = torch.cat([f[:, :, p, w:] for p in range(f.shape[2])], 2)
-    h = hk.double()[:, torch.arange(H, device=hk.device) // (H // G)]                  # [B, H, T, R]
+    h = hk.double()[:, torch.arange(H, device=hk.device) // (H // G)][..., RANK_ORDER]  # [B, H, T, R]
     ang = (pos0.double()[:, None] + torch.arange(T, device=hk.device, dtype=torch.float64)[None])[..., None] \
         * inv_freq.double()                                                            # [B, T, 64]
     ua, uc = torch.einsum("bhfr,bhtr->bhtf", a, h), torch.einsum("bhfr,bhtr->bhtf", c, h)

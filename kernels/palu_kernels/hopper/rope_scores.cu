@@ -31,7 +31,7 @@ namespace {
 constexpr int R = 64;            // latent rank per KV head
 constexpr int HALF = 64;         // head_dim / 2: frequencies
 constexpr int TILE = 64;         // tokens per slot
-constexpr int ROW = R * 2 + 16;  // padded shared-memory row (bytes)
+constexpr int ROW = R * 2;       // shared-memory row of one token (bytes), unpadded: a slot is one copy
 constexpr int SLOT_BYTES = TILE * ROW;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -64,11 +64,11 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
                : "memory");
+  return v;
 }
 __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -113,8 +113,9 @@ __device__ __forceinline__ void fold_half(const float* v, float* w, bool up, int
   }
 }
 
+// MHA with 16 frequencies per warp: 4 CTAs per SM need <= 102 registers (h3 compiled to 104: 3 CTAs)
 template <int NQ, int FPW, int STAGES>
-__global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ))
+__global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ), (NQ == 1 && FPW == 16) ? 4 : 1)
     rope_scores_kernel(const __half* __restrict__ hk, const __half* __restrict__ fold,
                        const int* __restrict__ pos0, const float* __restrict__ inv_freq,
                        float* __restrict__ S, const int* __restrict__ lengths, int G, int H,
@@ -154,7 +155,11 @@ __global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ))
       if (lane == 0) mbar_expect_tx(&full[slot], rows * R * 2);
       __syncwarp();
       unsigned char* dst = tiles + slot * SLOT_BYTES;
-      for (int r = lane; r < rows; r += 32) bulk_copy(dst + r * ROW, src + (t + r) * s_kt, R * 2, &full[slot]);
+      if (s_kt == R) {   // the tile is contiguous: one copy (per-row copies of 128 bytes capped h1/h2)
+        if (lane == 0) bulk_copy(dst, src + t * s_kt, rows * R * 2, &full[slot]);
+      } else {
+        for (int r = lane; r < rows; r += 32) bulk_copy(dst + r * ROW, src + (t + r) * s_kt, R * 2, &full[slot]);
+      }
     }
     return;
   }
@@ -197,10 +202,21 @@ __global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ))
     float v[16];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
+      // B fragments without ldmatrix: the fold's rank columns are permuted (`fold_query`) so that
+      // thread (gq, cq) needs physical ranks [16 cq, 16 cq + 16) of token gq: two 16-byte loads,
+      // odd tokens taking the halves in the other order so 8 lanes read 8 distinct bank groups
+      const bool odd = gq & 1;
+      const uint32_t addr = tile + (nt * 8 + gq) * ROW + 32 * cq;
+      const uint4 lo = lds128(addr + (odd ? 16 : 0)), hi = lds128(addr + (odd ? 0 : 16));
       uint32_t bf[8];
-      const uint32_t addr = tile + (nt * 8 + (lane & 7)) * ROW + (lane >> 3) * 16;
-      ldsm_x4(addr, bf);
-      ldsm_x4(addr + 64, bf + 4);
+      bf[0] = odd ? hi.x : lo.x;
+      bf[1] = odd ? hi.y : lo.y;
+      bf[2] = odd ? hi.z : lo.z;
+      bf[3] = odd ? hi.w : lo.w;
+      bf[4] = odd ? lo.x : hi.x;
+      bf[5] = odd ? lo.y : hi.y;
+      bf[6] = odd ? lo.z : hi.z;
+      bf[7] = odd ? lo.w : hi.w;
       if (nt == 7) {  // every fragment of the slot is in registers: hand it back to the producer
         __syncwarp();
         if (lane == 0) mbar_arrive(&empty[slot]);
