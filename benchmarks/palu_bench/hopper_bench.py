@@ -22,7 +22,7 @@ import yaml
 from .latency import (CONF, _bench_rotated, _rel_err, _row, baseline_rows, measure_ceilings, palu_case,
                       rotation_copies, speedups)
 
-DEFAULTS = {"shapes": ["llama2-7b", "llama3-8b"], "lengths": [16384, 65536, 131072], "variants": [[16, 4], [16, 2], [16, 6], [32, 4]],   # [frequencies per warp, ring slots]
+DEFAULTS = {"shapes": ["llama2-7b", "llama3-8b"], "lengths": [16384, 65536, 131072], "variants": [[16, 4, 0], [16, 4, 1], [32, 4, 0]],   # [frequencies per warp, ring slots, reduction]
             "check_length": 4096}
 
 
@@ -41,12 +41,12 @@ def _values_only(q, hk, hv, kw, S):
                       max(16, triton.next_power_of_2(n_rep)), bt, 2, warps, None, scores=S)
 
 
-def _hopper_scores(q, hk, kw, per_warp, stages):
+def _hopper_scores(q, hk, kw, per_warp, stages, reduce=0):
     from palu_kernels.hopper_scores import rope_scores
     B, T = hk.shape[0], hk.shape[2]
     lengths = torch.full((B,), T, dtype=torch.int32, device=hk.device)
     return rope_scores(q, hk, kw["bk"], kw["position_offset"], kw["inv_freq"], lengths,
-                       kw["scale"] * 1.4426950408889634, kw["n_rep"], stages=stages, per_warp=per_warp)
+                       kw["scale"] * 1.4426950408889634, kw["n_rep"], stages=stages, per_warp=per_warp, reduce=reduce)
 
 
 def run(cfg: dict, log=print) -> dict:
@@ -93,12 +93,13 @@ def run(cfg: dict, log=print) -> dict:
                              "copies": c["copies"]}
             t = _bench_rotated([lambda a=a, s=s: _values_only(a[0], a[1], a[2], a[3], s) for a, s in zip(cases, S)], w, r)
             rows.append(_row("values-only", shape_name, 1, T, t, values_counts, ceil))
-            variants = [("triton", None)] + [(f"hopper-w{v[0]}-s{v[1]}", v) for v in cfg["variants"]]
+            variants = [("triton", None)] + [("hopper-" + "-".join(f"{k}{x}" for k, x in zip("wsr", v)), v)
+                                             for v in cfg["variants"]]
             for i, (name, v) in enumerate(variants):
                 if v:
                     t = _bench_rotated([lambda a=a, v=v: _hopper_scores(a[0], a[1], a[3], *v) for a in cases], w, r)
                     rows.append(_row(f"scores-{name}", shape_name, 1, T, t, scores_counts, ceil, per_warp=v[0],
-                                     stages=v[1]))
+                                     stages=v[1], reduce=v[2] if len(v) > 2 else 0))
                     log(f"{shape_name} T={T} scores {name}: {t * 1e6:.1f} us "
                         f"({scores_bytes / t / 1e12:.2f} TB/s, {scores_counts['flops'] / t / 1e12:.0f} TFLOP/s)")
                     step = {"hopper": True}

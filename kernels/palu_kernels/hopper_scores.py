@@ -19,9 +19,11 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "hopper" / "rope_scores.cu"
 RANK, HALF, TILE = 64, 64, 64
-# compiled (query heads per KV head, frequencies per consumer warp, ring slots): PALU_VARIANTS in the .cu
-VARIANTS = {(1, 32, 4), (1, 16, 2), (1, 16, 4), (1, 16, 6), (4, 16, 4), (4, 32, 4)}
-PER_WARP, STAGES = 16, 4      # the default variant (benchmarks/NOTES.md, issue 39 h2)
+# compiled (query heads per KV head, frequencies per consumer warp, ring slots, reduction): PALU_VARIANTS in
+# the .cu; reduction 0 adds a head's warps through shared memory, 1 by atomic adds into zeroed scores
+VARIANTS = {(1, 32, 4, 0), (1, 16, 2, 0), (1, 16, 4, 0), (1, 16, 6, 0), (4, 16, 4, 0), (4, 32, 4, 0),
+            (1, 16, 4, 1), (4, 16, 4, 1)}
+PER_WARP, STAGES, REDUCE = 16, 4, 0   # the default variant (benchmarks/NOTES.md, issue 39 h2-h4)
 # The fold's rank columns in the order the kernel's mma K positions take them: K position kk of k-step
 # ks is physical rank 16 c + 4 ks + 2 (kk >> 3) + (kk & 1), c = (kk & 7) >> 1, so the thread of lane
 # column c reads the contiguous physical ranks [16 c, 16 c + 16) of a token (two 16-byte loads).
@@ -41,7 +43,13 @@ def fold_query(q: torch.Tensor, bk: torch.Tensor, n_rep: int, per_warp: int = PE
     a, c = q1 * b1 + q2 * b2, q2 * b1 - q1 * b2                                         # [B, H, 64, R]
     w = per_warp
     parts = [torch.cat([a[:, :, p * w:(p + 1) * w], c[:, :, p * w:(p + 1) * w]], 2) for p in range(HALF // w)]
-    return torch.stack(parts, 2).to(torch.float16)[..., RANK_ORDER].contiguous()
+    return _kernel_rank_order(torch.stack(parts, 2).to(torch.float16)).contiguous()
+
+
+def _kernel_rank_order(x: torch.Tensor) -> torch.Tensor:
+    """x[..., RANK_ORDER] as a view (no index tensor: safe inside CUDA-graph capture): physical
+    rank 16 c + 4 ks + 2 hi + lo goes to position 16 ks + 8 hi + 2 c + lo."""
+    return x.unflatten(-1, (4, 4, 2, 2)).permute(*range(x.dim() - 1), -3, -2, -4, -1).flatten(-4)
 
 
 def folded_scores_reference(fold: torch.Tensor, hk: torch.Tensor, pos0: torch.Tensor,
@@ -53,7 +61,8 @@ def folded_scores_reference(fold: torch.Tensor, hk: torch.Tensor, pos0: torch.Te
     f, w = fold.double(), fold.shape[3] // 2
     a = torch.cat([f[:, :, p, :w] for p in range(f.shape[2])], 2)                      # [B, H, 64, R]
     c = torch.cat([f[:, :, p, w:] for p in range(f.shape[2])], 2)
-    h = hk.double()[:, torch.arange(H, device=hk.device) // (H // G)][..., RANK_ORDER]  # [B, H, T, R]
+    h = hk.double()[:, torch.arange(H, device=hk.device) // (H // G)]  # [B, H, T, R]
+    h = _kernel_rank_order(h)
     ang = (pos0.double()[:, None] + torch.arange(T, device=hk.device, dtype=torch.float64)[None])[..., None] \
         * inv_freq.double()                                                            # [B, T, 64]
     ua, uc = torch.einsum("bhfr,bhtr->bhtf", a, h), torch.einsum("bhfr,bhtr->bhtf", c, h)
@@ -77,7 +86,7 @@ def _module():
 
 
 def unfit(q, hk, bk, *, n_rep: int, group_size: int, contiguous_positions: bool,
-          stages: int = STAGES, per_warp: int = PER_WARP) -> str | None:
+          stages: int = STAGES, per_warp: int = PER_WARP, reduce: int = REDUCE) -> str | None:
     """Why the Hopper kernel cannot serve this step (None: it can)."""
     if bk is None:
         return "not a RoPE layer"
@@ -86,9 +95,9 @@ def unfit(q, hk, bk, *, n_rep: int, group_size: int, contiguous_positions: bool,
     if group_size != 1 or hk.shape[-1] != RANK or q.shape[-1] != 2 * HALF:
         return f"needs M-LRD rank {RANK}, head_dim {2 * HALF} (group {group_size}, rank {hk.shape[-1]}, " \
                f"head_dim {q.shape[-1]})"
-    if (n_rep, per_warp, stages) not in VARIANTS:
+    if (n_rep, per_warp, stages, reduce) not in VARIANTS:
         return (f"no compiled variant for {n_rep} query heads per KV head, {per_warp} frequencies per warp, "
-                f"{stages} stages (compiled: {sorted(VARIANTS)})")
+                f"{stages} stages, reduction {reduce} (compiled: {sorted(VARIANTS)})")
     if not contiguous_positions:
         return "positions are not contiguous"
     if hk.stride(-1) != 1 or hk.stride(2) % 8 or hk.data_ptr() % 16:
@@ -99,11 +108,11 @@ def unfit(q, hk, bk, *, n_rep: int, group_size: int, contiguous_positions: bool,
 
 def rope_scores(q, hk, bk, pos0, inv_freq, lengths, qk_scale: float, n_rep: int, *, group_size: int = 1,
                 contiguous_positions: bool = True, stages: int = STAGES, per_warp: int = PER_WARP,
-                splits: int | None = None) -> torch.Tensor:
+                reduce: int = REDUCE, splits: int | None = None) -> torch.Tensor:
     """Scores [B, H, T] float32 (x qk_scale; written for t < lengths[b]) of one decode step, as
     `_scores_qproj` writes them. `splits=None`: one wave (as many CTAs as the GPU holds at once)."""
     why = unfit(q, hk, bk, n_rep=n_rep, group_size=group_size, contiguous_positions=contiguous_positions,
-                stages=stages, per_warp=per_warp)
+                stages=stages, per_warp=per_warp, reduce=reduce)
     if why:
         raise ValueError(f"the Hopper RoPE scores kernel cannot serve this step: {why}")
     mod = _module()
@@ -111,11 +120,11 @@ def rope_scores(q, hk, bk, pos0, inv_freq, lengths, qk_scale: float, n_rep: int,
     H = q.shape[1]
     if splits is None:
         sms = torch.cuda.get_device_properties(hk.device).multi_processor_count
-        splits = max(1, min(math.ceil(T / TILE), mod.resident_ctas(n_rep, per_warp, stages) * sms // (B * G)))
+        splits = max(1, min(math.ceil(T / TILE), mod.resident_ctas(n_rep, per_warp, stages, reduce) * sms // (B * G)))
     per_split = math.ceil(math.ceil(T / splits) / TILE) * TILE
     splits = math.ceil(T / per_split)
-    S = torch.empty(B, H, T, device=hk.device, dtype=torch.float32)
+    S = (torch.zeros if reduce else torch.empty)(B, H, T, device=hk.device, dtype=torch.float32)
     mod.rope_scores(hk, fold_query(q, bk, n_rep, per_warp), pos0.to(torch.int32).contiguous(),
                     inv_freq.float().contiguous(), S, lengths.to(torch.int32).contiguous(), n_rep, per_warp,
-                    stages, splits, per_split, float(qk_scale))
+                    stages, reduce, splits, per_split, float(qk_scale))
     return S

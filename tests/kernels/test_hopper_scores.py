@@ -91,10 +91,11 @@ needs_hopper = pytest.mark.skipif(
 
 
 @needs_hopper
-@pytest.mark.parametrize("n_rep,per_warp,stages,T,strided", [
-    (1, 16, 4, 4096 + 37, False), (1, 16, 2, 1000, True), (1, 16, 6, 64, False), (1, 32, 4, 3000, False),
-    (4, 16, 4, 3000, False), (4, 16, 4, 129, True), (4, 32, 4, 777, False)])
-def test_kernel_matches_references(n_rep, per_warp, stages, T, strided):
+@pytest.mark.parametrize("n_rep,per_warp,stages,reduce,T,strided", [
+    (1, 16, 4, 0, 4096 + 37, False), (1, 16, 2, 0, 1000, True), (1, 16, 6, 0, 64, False),
+    (1, 32, 4, 0, 3000, False), (4, 16, 4, 0, 3000, False), (4, 16, 4, 0, 129, True), (4, 32, 4, 0, 777, False),
+    (1, 16, 4, 1, 4096 + 37, True), (4, 16, 4, 1, 3000, False)])
+def test_kernel_matches_references(n_rep, per_warp, stages, reduce, T, strided):
     from palu_kernels.palu_decode import palu_decode
     q, hk, hv, bk, inv_freq, pos0 = _case(B=2, G=3, n_rep=n_rep, T=T, device="cuda")
     if strided:   # a slice of a larger cache buffer: rows 16-byte aligned, token stride > rank
@@ -105,7 +106,7 @@ def test_kernel_matches_references(n_rep, per_warp, stages, T, strided):
     scale = 1 / math.sqrt(128)
     assert hopper_scores.unfit(q, hk, bk, n_rep=n_rep, group_size=1, contiguous_positions=True) is None
     S = hopper_scores.rope_scores(q, hk, bk, pos0, inv_freq, lengths, scale * LOG2E, n_rep, stages=stages,
-                                  per_warp=per_warp)
+                                  per_warp=per_warp, reduce=reduce)
     assert {tuple(v) for v in hopper_scores._module().variants()} == hopper_scores.VARIANTS
     want = _rebuilt_scores(q, hk, bk, inv_freq, pos0, n_rep) * scale * LOG2E
     fold_ref = folded_scores_reference(fold_query(q, bk, n_rep), hk, pos0, inv_freq) * scale * LOG2E

@@ -114,7 +114,9 @@ __device__ __forceinline__ void fold_half(const float* v, float* w, bool up, int
 }
 
 // MHA with 16 frequencies per warp: 4 CTAs per SM need <= 102 registers (h3 compiled to 104: 3 CTAs)
-template <int NQ, int FPW, int STAGES>
+// RED: 0 — the warps of a head add their partial sums through shared memory (named barrier per slot);
+//      1 — each warp adds its partial sums into the zeroed scores with red.global.add (no barrier)
+template <int NQ, int FPW, int STAGES, int RED>
 __global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ), (NQ == 1 && FPW == 16) ? 4 : 1)
     rope_scores_kernel(const __half* __restrict__ hk, const __half* __restrict__ fold,
                        const int* __restrict__ pos0, const float* __restrict__ inv_freq,
@@ -249,6 +251,12 @@ __global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ), (NQ == 1 && FPW ==
     fold_half<8>(v, w, lane & 16, 16);
     fold_half<4>(w, x, lane & 8, 8);
     fold_half<2>(x, y, lane & 4, 4);
+    if (RED) {
+      const int t = t0 + i * TILE + 2 * lane;
+      if (t < t_end) atomicAdd(out + t, y[0] * qk_scale);
+      if (t + 1 < t_end) atomicAdd(out + t + 1, y[1] * qk_scale);
+      continue;
+    }
     float* buf = part + (qi * 2 + (i & 1)) * (FP - 1) * TILE;   // double-buffered per head
     if (fp > 0) {
       buf[(fp - 1) * TILE + 2 * lane] = y[0];
@@ -270,26 +278,27 @@ __global__ void __launch_bounds__(32 * (1 + HALF / FPW * NQ), (NQ == 1 && FPW ==
 
 #ifdef PALU_KERNEL_ONLY
 #define PALU_INSTANTIATE(NQ_, FPW_, ST_)                                                                \
-  template __global__ void rope_scores_kernel<NQ_, FPW_, ST_>(                                         \
+  template __global__ void rope_scores_kernel<NQ_, FPW_, ST_, 0>(                                         \
       const __half*, const __half*, const int*, const float*, float*, const int*, int, int, int, float, \
       long long, long long, long long, long long, long long);
 PALU_INSTANTIATE(1, 32, 4)
 PALU_INSTANTIATE(1, 16, 4)
 PALU_INSTANTIATE(4, 16, 4)
 PALU_INSTANTIATE(4, 32, 4)
+template __global__ void rope_scores_kernel<1, 16, 4, 1>(const __half*, const __half*, const int*, const float*, float*, const int*, int, int, int, float, long long, long long, long long, long long, long long);
 }  // namespace
 #else
 template <int NQ, int FPW, int STAGES>
 constexpr int smem_bytes() { return tiles_offset<FPW>(NQ) + STAGES * SLOT_BYTES; }
 
-template <int NQ, int FPW, int STAGES>
+template <int NQ, int FPW, int STAGES, int RED>
 void launch(const torch::Tensor& hk, const torch::Tensor& fold, const torch::Tensor& pos0,
             const torch::Tensor& inv_freq, torch::Tensor& S, const torch::Tensor& lengths, int splits,
             int per_split, double qk_scale) {
   const int B = hk.size(0), G = hk.size(1), H = S.size(1);
   const int threads = 32 * (1 + HALF / FPW * NQ);
   constexpr int smem = smem_bytes<NQ, FPW, STAGES>();
-  auto kernel = rope_scores_kernel<NQ, FPW, STAGES>;
+  auto kernel = rope_scores_kernel<NQ, FPW, STAGES, RED>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<dim3(B * G, splits), threads, smem, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __half*>(hk.data_ptr<at::Half>()),
@@ -299,11 +308,11 @@ void launch(const torch::Tensor& hk, const torch::Tensor& fold, const torch::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int NQ, int FPW, int STAGES>
+template <int NQ, int FPW, int STAGES, int RED>
 int resident() {
   const int threads = 32 * (1 + HALF / FPW * NQ);
   constexpr int smem = smem_bytes<NQ, FPW, STAGES>();
-  auto kernel = rope_scores_kernel<NQ, FPW, STAGES>;
+  auto kernel = rope_scores_kernel<NQ, FPW, STAGES, RED>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
@@ -313,38 +322,39 @@ int resident() {
 }  // namespace
 
 // The compiled variants: (query heads per KV head, frequencies per consumer warp, ring slots).
-#define PALU_VARIANTS(X) X(1, 32, 4) X(1, 16, 2) X(1, 16, 4) X(1, 16, 6) X(4, 16, 4) X(4, 32, 4)
+#define PALU_VARIANTS(X) \
+  X(1, 32, 4, 0) X(1, 16, 2, 0) X(1, 16, 4, 0) X(1, 16, 6, 0) X(4, 16, 4, 0) X(4, 32, 4, 0) X(1, 16, 4, 1) X(4, 16, 4, 1)
 
 // hk [B, G, T, 64] fp16 (rank unit-stride, rows 16-byte aligned); fold [B, H, 64/fpw, 2 fpw, 64] fp16;
 // pos0 [B] int32; inv_freq [64] fp32; S [B, H, T] fp32 (written for t < lengths[b]); lengths [B] int32.
 void rope_scores(torch::Tensor hk, torch::Tensor fold, torch::Tensor pos0, torch::Tensor inv_freq,
-                 torch::Tensor S, torch::Tensor lengths, int64_t nq, int64_t fpw, int64_t stages, int64_t splits,
-                 int64_t per_split, double qk_scale) {
+                 torch::Tensor S, torch::Tensor lengths, int64_t nq, int64_t fpw, int64_t stages, int64_t red,
+                 int64_t splits, int64_t per_split, double qk_scale) {
   const at::cuda::CUDAGuard guard(hk.device());
   bool done = false;
-#define RUN(NQ_, FPW_, ST_)                                                                  \
-  if (!done && nq == NQ_ && fpw == FPW_ && stages == ST_) {                                  \
-    launch<NQ_, FPW_, ST_>(hk, fold, pos0, inv_freq, S, lengths, splits, per_split, qk_scale); \
-    done = true;                                                                             \
+#define RUN(NQ_, FPW_, ST_, RED_)                                                                \
+  if (!done && nq == NQ_ && fpw == FPW_ && stages == ST_ && red == RED_) {                      \
+    launch<NQ_, FPW_, ST_, RED_>(hk, fold, pos0, inv_freq, S, lengths, splits, per_split, qk_scale); \
+    done = true;                                                                                 \
   }
   PALU_VARIANTS(RUN)
 #undef RUN
-  TORCH_CHECK(done, "rope_scores: no compiled variant for nq=", nq, ", fpw=", fpw, ", stages=", stages);
+  TORCH_CHECK(done, "rope_scores: no compiled variant for nq=", nq, ", fpw=", fpw, ", stages=", stages, ", red=", red);
 }
 
-int64_t resident_ctas(int64_t nq, int64_t fpw, int64_t stages) {
+int64_t resident_ctas(int64_t nq, int64_t fpw, int64_t stages, int64_t red) {
   int n = -1;
-#define RUN(NQ_, FPW_, ST_) \
-  if (n < 0 && nq == NQ_ && fpw == FPW_ && stages == ST_) n = resident<NQ_, FPW_, ST_>();
+#define RUN(NQ_, FPW_, ST_, RED_) \
+  if (n < 0 && nq == NQ_ && fpw == FPW_ && stages == ST_ && red == RED_) n = resident<NQ_, FPW_, ST_, RED_>();
   PALU_VARIANTS(RUN)
 #undef RUN
-  TORCH_CHECK(n >= 0, "resident_ctas: no compiled variant for nq=", nq, ", fpw=", fpw, ", stages=", stages);
+  TORCH_CHECK(n >= 0, "resident_ctas: no compiled variant for nq=", nq, ", fpw=", fpw, ", stages=", stages, ", red=", red);
   return n;
 }
 
 std::vector<std::vector<int64_t>> variants() {
   std::vector<std::vector<int64_t>> v;
-#define RUN(NQ_, FPW_, ST_) v.push_back({NQ_, FPW_, ST_});
+#define RUN(NQ_, FPW_, ST_, RED_) v.push_back({NQ_, FPW_, ST_, RED_});
   PALU_VARIANTS(RUN)
 #undef RUN
   return v;
