@@ -11,12 +11,13 @@ the float32 reference at the shortest length. Run on the GPU host:
 from __future__ import annotations
 
 import json
-import math
+import os
 import platform
 import sys
 import time
 
 import torch
+import triton
 import yaml
 
 from .latency import (CONF, _bench_rotated, _rel_err, _row, baseline_rows, measure_ceilings, palu_case,
@@ -28,8 +29,6 @@ DEFAULTS = {"shapes": ["llama2-7b", "llama3-8b"], "lengths": [16384, 65536, 1310
 
 def _values_only(q, hk, hv, kw, S):
     """The values half of a RoPE step as `palu_decode` launches it (one-pass kernel reading scores)."""
-    import triton
-
     from palu_kernels.decode_policy import _sm_count
     from palu_kernels.launch_defaults import one_pass_tiles
     from palu_kernels.palu_decode import _run_fused
@@ -114,7 +113,7 @@ def run(cfg: dict, log=print) -> dict:
             del cases, S
             torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "triton": triton.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "ceilings": ceil, "config": {k: v for k, v in cfg.items() if k != "all_shapes"},
             "rows": rows, "checks": checks}
 
@@ -135,7 +134,6 @@ def main(argv=None):
     tmp = argv[0] + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(result, fh, indent=1)
-    import os
     os.replace(tmp, argv[0])
 
 

@@ -158,7 +158,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                        qproj_warps=qproj_warps)
     splits_arg, splits, per_split, block_t = splits, plan.splits, plan.per_split, plan.block_t
     M = max(16, triton.next_power_of_2(rows))
-    S = torch.empty(B, H, T, device=dev, dtype=torch.float32)
+    S = None if hopper else torch.empty(B, H, T, device=dev, dtype=torch.float32)   # Hopper: its own
     ks = kscale if kbits != 16 else kdata
     if hopper:
         S = hopper_rope_scores(q, kdata if kbits == 16 else hk, bk, pos0, inv_freq, lengths, scale * LOG2E,

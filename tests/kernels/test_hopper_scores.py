@@ -122,3 +122,10 @@ def test_kernel_matches_references(n_rep, per_warp, stages, reduce, T, strided):
     ref = latent_decode_reference(q, hk, hv, **kw)
     assert ((z - ref).norm() / ref.norm()).item() < 5e-3
     assert ((z - z_triton).norm() / ref.norm()).item() < 5e-3
+
+
+def test_rank_order_view_is_the_documented_permutation():
+    from palu_kernels.hopper_scores import RANK_ORDER, _kernel_rank_order
+    assert sorted(RANK_ORDER) == list(range(64))
+    x = torch.randn(3, 2, 64)
+    assert torch.equal(_kernel_rank_order(x), x[..., RANK_ORDER])
