@@ -29,7 +29,9 @@ def selection_case(shape, B, T, rank, sketch, stored, seed=0, device="cuda"):
 
 def step_counts(shape, B, T, rank, sketch, n, topk) -> dict:
     H, G, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    scores = B * G * T * 2 * (4 if topk == "chunked" else 2)
+    # fp16 scores written, then read back: once by torch.topk, twice by the chunked top-k, three
+    # times (from L2) by the radix select's passes
+    scores = B * G * T * 2 * {"chunked": 4, "radix": 4}.get(topk, 2)
     nbytes = (B * G * T * sketch * 2 + scores + B * G * n * 2 * rank * 2 + G * D * rank * 2
               + 2 * B * H * D * 2)
     flops = 2 * B * G * T * sketch + 2 * B * G * n * rank * D + 2 * B * H * n * (D + rank)
@@ -66,11 +68,13 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                 checks.append({"shape": shape_name, "variant": "select-all-tokens", "rel_err": err})
             for tokens, topk, attend in [(k, t, a) for k in sc["tokens"] if k + window < T
                                      for t in sc["topk"] for a in sc.get("attend", ["fp32"])]:
-                def step(c, tokens=tokens, topk=topk, attend=attend):
+                splits = int(attend.split(":")[1]) if attend.startswith("fused:") else None
+
+                def step(c, tokens=tokens, topk=topk, attend=attend, splits=splits):
                     return selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
                                             tokens=tokens, window=window, sketch=sketch, topk=topk,
                                             sketch_latents=c["sk"], table=table if attend == "sdpa" else None,
-                                            fused=attend == "fused", **kw)
+                                            fused=attend.startswith("fused"), splits=splits, **kw)
                 name = f"select-{'stored' if stored else 'inplace'}-sk{sketch}-k{tokens}-{topk}-{attend}"
                 try:
                     if topk != "plain" or attend != "fp32":   # the same tokens and output as the plain path
@@ -79,10 +83,14 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                                                  sketch=sketch, sketch_latents=cases[0]["sk"], **kw)
                         checks.append({"shape": shape_name, "length": T, "variant": name,
                                        "rel_err": _rel_err(lambda: step(cases[0]), plain)})
+                    if topk == "radix":   # the chosen scores are the k largest (torch.topk's values)
+                        checks.append({"shape": shape_name, "length": T, "variant": name + "-topk-values",
+                                       "rel_err": _radix_value_error(cases[0], tokens, window, sketch, kw)})
                     t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
-                    attend_fn = {"fp32": attend_selected, "fused": select_attend,
+                    attend_fn = {"fp32": attend_selected,
+                                 "fused": lambda *a, **kw2: select_attend(*a, **kw2, splits=splits),
                                  "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
-                                     q, a, b, k, i, table, **kw2)}[attend]
+                                     q, a, b, k, i, table, **kw2)}[attend.split(":")[0]]
                     parts = _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
                                    fold_query, sketch_scores, select_tokens, attend_fn)
                 except Exception as err:
@@ -101,19 +109,42 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
     return rows
 
 
+def _radix_value_error(c, tokens, window, sketch, kw) -> float:
+    """Largest difference between the sorted scores `radix_topk` chose and torch.topk's."""
+    from palu_kernels.select_topk import radix_topk, sketch_scores_fused
+    sk = c["sk"] if c["sk"] is not None else c["hk"][..., :sketch]
+    scores, hist = sketch_scores_fused(c["q"], c["bk"], sk, kw["n_rep"], window=window)
+    older = scores[..., :scores.shape[-1] - window].float()
+    got = older.gather(-1, radix_topk(scores, tokens, window, hist=hist)[..., :tokens]).sort(-1).values
+    want = older.topk(tokens, -1).values.sort(-1).values
+    return float((got - want).abs().max())
+
+
 def _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
            fold_query, sketch_scores, select_tokens, attend_selected) -> dict:
     """The step's parts timed alone over the same copies: scores (fold + sketch), top-k, attend."""
+    if topk == "radix":     # the fold, the sketch scores and the top-k's first pass in one launch
+        from palu_kernels.select_topk import radix_topk, sketch_scores_fused
+
+        def score(c):
+            return sketch_scores_fused(c["q"], c["bk"], c["sk"] if c["sk"] is not None
+                                       else c["hk"][..., :sketch], kw["n_rep"], window=window)
+
+        def select(c):
+            return radix_topk(c["scores"][0], tokens, window, hist=c["scores"][1])
+    else:
+        def score(c):
+            return sketch_scores(fold_query(c["q"], c["bk"], kw["n_rep"]),
+                                 c["sk"] if c["sk"] is not None else c["hk"][..., :sketch])
+
+        def select(c):
+            return select_tokens(c["scores"], tokens, window, topk)
     for c in cases:
-        sk = c["sk"] if c["sk"] is not None else c["hk"][..., :sketch]
-        c["scores"] = sketch_scores(fold_query(c["q"], c["bk"], kw["n_rep"]), sk)
-        c["idx"] = select_tokens(c["scores"], tokens, window, topk)
+        c["scores"] = score(c)
+        c["idx"] = select(c)
     out = {
-        "part_scores_s": _bench_rotated([lambda c=c: sketch_scores(
-            fold_query(c["q"], c["bk"], kw["n_rep"]),
-            c["sk"] if c["sk"] is not None else c["hk"][..., :sketch]) for c in cases], w, r),
-        "part_topk_s": _bench_rotated([lambda c=c: select_tokens(c["scores"], tokens, window, topk)
-                                       for c in cases], w, r),
+        "part_scores_s": _bench_rotated([lambda c=c: score(c) for c in cases], w, r),
+        "part_topk_s": _bench_rotated([lambda c=c: select(c) for c in cases], w, r),
         "part_attend_s": _bench_rotated([lambda c=c: attend_selected(c["q_rot"], c["hk"], c["hv"], c["bk"],
                                                                      c["idx"], inv_freq, **kw) for c in cases], w, r),
     }

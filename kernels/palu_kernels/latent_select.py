@@ -11,6 +11,8 @@ space (B_v is fused into o_proj), as `latent_decode_reference`'s.
 `topk="chunked"` takes the top `tokens` of each `chunk`-token slice first and then the top
 `tokens` of those candidates: the same set (a token of the global top-k is in its slice's
 top-k), but a (heads x slices) first pass fills the GPU where one row per head does not.
+`topk="radix"` scores and selects with the two Triton kernels of `select_topk` (fp16 latents: the
+fold and the sketch scores in one launch, a radix select of the k-th largest fp16 score in another).
 """
 from __future__ import annotations
 
@@ -39,10 +41,13 @@ def select_tokens(scores: torch.Tensor, tokens: int, window: int, topk: str = "p
         idx = idx + torch.arange(0, older, chunk, device=s.device)[:, None]
         pick = vals.reshape(B, G, -1).topk(tokens, -1, sorted=False).indices
         top = idx.reshape(B, G, -1).gather(-1, pick)
+    elif topk == "radix":
+        from .select_topk import radix_topk
+        return radix_topk(scores, tokens, window)
     elif topk in ("plain", "chunked"):
         top = s.topk(tokens, -1, sorted=False).indices
     else:
-        raise ValueError(f"topk={topk!r} is not 'plain' or 'chunked'")
+        raise ValueError(f"topk={topk!r} is not 'plain', 'chunked' or 'radix'")
     recent = torch.arange(older, T, device=s.device).expand(B, G, window)
     return torch.cat([top, recent], -1)
 
@@ -94,18 +99,24 @@ def attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale: float, n_rep: int
 
 def selection_decode(q, q_rot, hk, hv, bk, inv_freq, *, tokens: int, window: int, sketch: int,
                      scale: float, n_rep: int, topk: str = "plain", sketch_latents=None, table=None,
-                     fused: bool = False):
+                     fused: bool = False, splits: int | None = None):
     """One step: q / q_rot [B, H, D] (before / after RoPE), hk [B, KVH, T, Rk], hv [B, KVH, T, Rv],
     bk [KVH, D, Rk]. `sketch_latents` is a separately stored [B, KVH, T, sketch] copy (contiguous);
     None reads the first `sketch` channels of `hk` in place. `table` (`rope_table`): attend through
     `attend_selected_sdpa` instead of the float32 `attend_selected`; `fused`: through the Triton
-    kernel `select_attend.select_attend`."""
-    q_lat = fold_query(q, bk, n_rep)
+    kernel `select_attend.select_attend` (`splits` programs per KV head; None: about one wave)."""
     sk = sketch_latents if sketch_latents is not None else hk[..., :sketch]
-    idx = select_tokens(sketch_scores(q_lat, sk), tokens, window, topk)
+    if topk == "radix":     # fold + sketch scores + the radix select's first pass in one Triton launch
+        from .select_topk import radix_topk, sketch_scores_fused
+        if tokens > hk.shape[2] - window:
+            raise ValueError(f"tokens={tokens} exceeds the {hk.shape[2] - window} tokens older than the window")
+        scores, hist = sketch_scores_fused(q, bk, sk, n_rep, window=window)
+        idx = radix_topk(scores, tokens, window, hist=hist)
+    else:
+        idx = select_tokens(sketch_scores(fold_query(q, bk, n_rep), sk), tokens, window, topk)
     if fused:               # one Triton kernel (palu_kernels/select_attend.py)
         from .select_attend import select_attend
-        return select_attend(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep)
+        return select_attend(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep, splits=splits)
     if table is not None:   # the cache's cos / sin table: the fewer-kernel path
         return attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale, n_rep)
     return attend_selected(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep)

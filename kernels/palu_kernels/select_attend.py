@@ -70,7 +70,7 @@ def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_sc
 
 def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: torch.Tensor,
                   idx: torch.Tensor, inv_freq: torch.Tensor, scale: float, n_rep: int,
-                  splits: int | None = None, block_n: int = 64) -> torch.Tensor:
+                  splits: int | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """z [B, H, Rv] (fp32): `attend_selected`'s result. q_rot [B, H, D], hk [B, G, T, R],
     hv [B, G, T, Rv] (fp16, token rows contiguous), bk [G, D, R], idx [B, G, n] (int)."""
     B, G, n = idx.shape
@@ -98,7 +98,7 @@ def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: t
         q, hk, hv, bk.to(torch.float16).contiguous(), idx.reshape(B * G, n).contiguous(),
         inv_freq.float().contiguous(), acc, ms, ls, n, per_split, scale * math.log2(math.e),
         hk.stride(1), hk.stride(2), hv.stride(1), hv.stride(2), G,
-        ROWS=n_rep, M=M, D=D, HALF=D // 2, R=R, RV=RV, BLOCK_N=block_n)
+        ROWS=n_rep, M=M, D=D, HALF=D // 2, R=R, RV=RV, BLOCK_N=block_n, num_warps=num_warps)
     m_all = ms.amax(1, keepdim=True)
     w = torch.exp2(ms - m_all)
     z = (acc * w[..., None]).sum(1) / (ls * w).sum(1)[..., None]          # [B*G, M, RV]

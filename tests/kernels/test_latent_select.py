@@ -87,8 +87,8 @@ def test_bad_settings_are_refused():
     scores = torch.randn(1, 1, 64)
     with pytest.raises(ValueError, match="tokens=40 exceeds the 32 tokens"):
         select_tokens(scores, 40, 32)
-    with pytest.raises(ValueError, match="topk='radix'"):
-        select_tokens(scores, 4, 32, "radix")
+    with pytest.raises(ValueError, match="topk='heap'"):
+        select_tokens(scores, 4, 32, "heap")
 
 
 @pytest.mark.parametrize("n_rep, n", [(1, 40), (4, 37)])
