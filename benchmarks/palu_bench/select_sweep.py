@@ -76,15 +76,17 @@ def main(out: str) -> None:
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
         args = (q_rot, hk, hv, cases[0]["bk"], idx, inv, 1 / math.sqrt(D), H // G)
         ref = select_attend(*args)
-        for splits in (None, 8, 16, 32):
-            for block_n, warps in ((64, 4), (32, 4), (32, 2), (64, 8), (16, 2)):
-                fn = lambda: select_attend(*args, splits=splits, block_n=block_n, num_warps=warps)  # noqa: E731
+        for splits in (None, 16, 32):
+            for block_n, warps, early_v in ((64, 4, False), (64, 4, True), (32, 4, True), (32, 2, True),
+                                            (64, 8, True), (16, 2, True)):
+                fn = lambda: select_attend(*args, splits=splits, block_n=block_n, num_warps=warps,  # noqa: E731
+                                           early_v=early_v)
                 err = float((fn() - ref).norm() / ref.norm())
                 t = _bench_rotated([fn], 5, 10)
                 rows.append({"shape": name, "kernel": "select_attend", "splits": splits, "block_n": block_n,
-                             "warps": warps, "time_s": t, "rel_err_vs_default": err})
-                print(f"{name} attend splits={splits} block_n={block_n} warps={warps}: {t * 1e6:.1f} us "
-                      f"(rel. err {err:.1e})", flush=True)
+                             "warps": warps, "early_v": early_v, "time_s": t, "rel_err_vs_default": err})
+                print(f"{name} attend splits={splits} block_n={block_n} warps={warps} early_v={early_v}: "
+                      f"{t * 1e6:.1f} us (rel. err {err:.1e})", flush=True)
         t = _bench_rotated([lambda: sc[..., :T - WINDOW].topk(TOKENS, -1, sorted=False)], 5, 10)
         rows.append({"shape": name, "kernel": "torch.topk", "time_s": t})
         print(f"{name} torch.topk: {t * 1e6:.1f} us", flush=True)

@@ -25,7 +25,7 @@ from .combine import _softmax_step
 def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_scale,
                    s_hk_bg, s_hk_t, s_hv_bg, s_hv_t, G,
                    ROWS: tl.constexpr, M: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                   R: tl.constexpr, RV: tl.constexpr, BLOCK_N: tl.constexpr):
+                   R: tl.constexpr, RV: tl.constexpr, BLOCK_N: tl.constexpr, EARLY_V: tl.constexpr):
     bg, sp = tl.program_id(0), tl.program_id(1)
     g = bg % G
     half = HALF
@@ -51,6 +51,8 @@ def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_sc
         ok = offs < stop
         tok = tl.load(IDX + bg * n_tok + offs, mask=ok, other=0)
         hk = tl.load(HK + bg * s_hk_bg + tok[:, None] * s_hk_t + rr[None, :], mask=ok[:, None], other=0.0)
+        if EARLY_V:   # both row gathers in flight before the products (they depend only on the indices)
+            hv = tl.load(HV + bg * s_hv_bg + tok[:, None] * s_hv_t + rv[None, :], mask=ok[:, None], other=0.0)
         k1 = tl.dot(hk, b1)                                              # [N, D/2] fp32
         k2 = tl.dot(hk, b2)
         ang = tok.to(tl.float32)[:, None] * inv[None, :]
@@ -60,7 +62,8 @@ def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_sc
         sc = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * qk_scale   # [M, N], base 2
         sc = tl.where(ok[None, :], sc, -float("inf"))
         m_i, alpha, p, l_i = _softmax_step(sc, m_i, l_i)
-        hv = tl.load(HV + bg * s_hv_bg + tok[:, None] * s_hv_t + rv[None, :], mask=ok[:, None], other=0.0)
+        if not EARLY_V:
+            hv = tl.load(HV + bg * s_hv_bg + tok[:, None] * s_hv_t + rv[None, :], mask=ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), hv)
     out = (bg * tl.num_programs(1) + sp) * M
     tl.store(ACC + (out + rows[:, None]) * RV + rv[None, :], acc)
@@ -70,7 +73,8 @@ def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_sc
 
 def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: torch.Tensor,
                   idx: torch.Tensor, inv_freq: torch.Tensor, scale: float, n_rep: int,
-                  splits: int | None = None, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                  splits: int | None = None, block_n: int = 64, num_warps: int = 4,
+                  early_v: bool = False) -> torch.Tensor:
     """z [B, H, Rv] (fp32): `attend_selected`'s result. q_rot [B, H, D], hk [B, G, T, R],
     hv [B, G, T, Rv] (fp16, token rows contiguous), bk [G, D, R], idx [B, G, n] (int)."""
     B, G, n = idx.shape
@@ -98,7 +102,8 @@ def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: t
         q, hk, hv, bk.to(torch.float16).contiguous(), idx.reshape(B * G, n).contiguous(),
         inv_freq.float().contiguous(), acc, ms, ls, n, per_split, scale * math.log2(math.e),
         hk.stride(1), hk.stride(2), hv.stride(1), hv.stride(2), G,
-        ROWS=n_rep, M=M, D=D, HALF=D // 2, R=R, RV=RV, BLOCK_N=block_n, num_warps=num_warps)
+        ROWS=n_rep, M=M, D=D, HALF=D // 2, R=R, RV=RV, BLOCK_N=block_n, EARLY_V=early_v,
+        num_warps=num_warps)
     m_all = ms.amax(1, keepdim=True)
     w = torch.exp2(ms - m_all)
     z = (acc * w[..., None]).sum(1) / (ls * w).sum(1)[..., None]          # [B*G, M, RV]

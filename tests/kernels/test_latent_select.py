@@ -110,6 +110,7 @@ def test_the_fused_attend_kernel_equals_the_torch_attend(n_rep, n):
     idx = torch.stack([torch.randperm(T, generator=g)[:n].sort().values for _ in range(B * G)]).view(B, G, n).to(dev)
     inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(dev)
     ref = attend_selected(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep)
-    for splits in (1, 3):
-        out = select_attend(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep, splits=splits, block_n=16)
+    for splits, early_v in ((1, False), (3, False), (3, True)):
+        out = select_attend(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep, splits=splits, block_n=16,
+                            early_v=early_v)
         assert ((out - ref).norm() / ref.norm()).item() < 2e-3
