@@ -158,6 +158,8 @@ def sketch_scores_fused(q: torch.Tensor, bk: torch.Tensor, sketch: torch.Tensor,
     of the tokens older than the window, the first pass `radix_topk(..., hist=hist)` then skips."""
     B, G, T, s = sketch.shape
     D, R = bk.shape[1], bk.shape[2]
+    if sketch.dtype != torch.float16:   # scores are fp16 (the order keys are 16 bits)
+        raise ValueError(f"sketch_scores_fused scores fp16 latents, not {sketch.dtype}")
     if sketch.stride(-1) != 1 or sketch.stride(0) != G * sketch.stride(1):
         raise ValueError("sketch_scores_fused reads [B, G, T, s] sketches laid out sequence, head, "
                          "token, channel (the last dimension contiguous)")

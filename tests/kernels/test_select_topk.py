@@ -127,6 +127,8 @@ def test_bad_inputs_are_refused():
         radix_topk(s, 4, -1)
     with pytest.raises(ValueError, match=r"hist must be \[B, G, 256\] int32 counts, not \(1, 1, 128\)"):
         radix_topk(s, 4, 8, hist=torch.zeros(1, 1, 128, dtype=torch.int32))
+    with pytest.raises(ValueError, match="scores fp16 latents, not torch.float32"):
+        sketch_scores_fused(torch.randn(1, 2, 32), torch.randn(2, 32, 16), torch.randn(1, 2, 10, 16), 1)
     with pytest.raises(ValueError, match="sketch channels 12 must be a power of two"):
         sketch_scores_fused(torch.randn(1, 2, 32).half(), torch.randn(2, 32, 16).half(),
                             torch.randn(1, 2, 10, 12).half(), 1)
