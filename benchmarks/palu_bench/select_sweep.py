@@ -2,8 +2,9 @@
 timed alone on the H200 (CUDA-graph replays over L2-rotated sketch copies; the scores the top-k
 reads are the step's own, so they are timed from L2 as in the step):
 
-  python -m palu_bench.select_sweep OUT.json
-Rows: `sketch_scores_fused` by block_t and num_warps (with the first-pass histogram), and
+  python -m palu_bench.select_sweep OUT.json [scores,topk,attend]
+Rows (of the parts named; default all): `sketch_scores_fused` by block_t and num_warps (with the
+first-pass histogram or without), `select_attend` by splits, tiles, warps and early value gathers, and
 `radix_topk` by max_chunks and min_block, at llama2-7b (32 KV heads) and llama3-8b (8) shapes, 64K.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ SHAPES = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}   # query heads, KV heads
 T, D, RANK, SKETCH, WINDOW, TOKENS = 65536, 128, 64, 16, 32, 1024
 
 
-def main(out: str) -> None:
+def main(out: str, parts=("scores", "topk", "attend")) -> None:
     from palu_kernels import select_topk as st
     rows = []
     for name, (H, G) in SHAPES.items():
@@ -32,7 +33,7 @@ def main(out: str) -> None:
                   "bk": torch.randn(G, D, RANK, device="cuda", dtype=torch.float16, generator=gen) / 8,
                   "sk": torch.randn(1, G, T, SKETCH, device="cuda", dtype=torch.float16, generator=gen)}
                  for _ in range(copies)]
-        for block_t, warps, with_hist in [(1024, 4, True), (2048, 8, True), (1024, 4, False)]:
+        for block_t, warps, with_hist in [(1024, 4, True), (2048, 8, True), (1024, 4, False)] * ("scores" in parts):
             def score(c, block_t=block_t, warps=warps, with_hist=with_hist):
                 sc = torch.empty(1, G, T, device="cuda", dtype=torch.float16)
                 hist = torch.zeros(1, G, 256, device="cuda", dtype=torch.int32)
@@ -49,7 +50,7 @@ def main(out: str) -> None:
                   f"({gbs:.0f} GB/s)", flush=True)
         sc, hist = st.sketch_scores_fused(cases[0]["q"], cases[0]["bk"], cases[0]["sk"], H // G, window=WINDOW)
         want = sc[..., :T - WINDOW].float().topk(TOKENS, -1).values.sort(-1).values
-        for chunks, min_block, atomic in [(c, 256, a) for c in (32, 64) for a in (False, True)]:
+        for chunks, min_block, atomic in [(c, 256, a) for c in (32, 64) for a in (False, True)] * ("topk" in parts):
             fn = lambda: st.radix_topk(sc, TOKENS, WINDOW, hist=hist, max_chunks=chunks,  # noqa: E731
                                        min_block=min_block, atomic=atomic)
             got = sc[..., :T - WINDOW].float().gather(-1, fn()[..., :TOKENS]).sort(-1).values
@@ -58,14 +59,14 @@ def main(out: str) -> None:
             launches = []
             st.radix_topk(sc, TOKENS, WINDOW, hist=hist, max_chunks=chunks, min_block=min_block,
                           atomic=atomic, _parts=launches)
-            parts = [_bench_rotated([f], 5, 10) for f in launches]
+            times = [_bench_rotated([f], 5, 10) for f in launches]
             rows.append({"shape": name, "kernel": "radix_topk", "max_chunks": chunks, "min_block": min_block,
                          "atomic": atomic,
                          "block": max(min_block, triton.next_power_of_2(triton.cdiv(T - WINDOW, chunks))),
-                         "time_s": t, "parts_s": dict(zip(("low_hist", "offsets", "emit"), parts)),
+                         "time_s": t, "parts_s": dict(zip(("low_hist", "offsets", "emit"), times)),
                          "values_equal_torch_topk": ok})
             print(f"{name} topk chunks<={chunks} min_block={min_block} atomic={atomic}: {t * 1e6:.1f} us "
-                  f"(low_hist {parts[0] * 1e6:.1f}, offsets {parts[1] * 1e6:.1f}, emit {parts[2] * 1e6:.1f}), "
+                  f"(low_hist {times[0] * 1e6:.1f}, offsets {times[1] * 1e6:.1f}, emit {times[2] * 1e6:.1f}), "
                   f"values equal: {ok}", flush=True)
         # the fused attend over the chosen tokens, by splits per KV head, tile and warps
         from palu_kernels.select_attend import select_attend
@@ -76,7 +77,7 @@ def main(out: str) -> None:
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
         args = (q_rot, hk, hv, cases[0]["bk"], idx, inv, 1 / math.sqrt(D), H // G)
         ref = select_attend(*args)
-        for splits in (None, 16, 32):
+        for splits in (None, 16, 32) * ("attend" in parts):
             for block_n, warps, early_v in ((64, 4, False), (64, 4, True), (32, 4, True), (32, 2, True),
                                             (64, 8, True), (16, 2, True)):
                 fn = lambda: select_attend(*args, splits=splits, block_n=block_n, num_warps=warps,  # noqa: E731
@@ -87,6 +88,8 @@ def main(out: str) -> None:
                              "warps": warps, "early_v": early_v, "time_s": t, "rel_err_vs_default": err})
                 print(f"{name} attend splits={splits} block_n={block_n} warps={warps} early_v={early_v}: "
                       f"{t * 1e6:.1f} us (rel. err {err:.1e})", flush=True)
+        if "topk" not in parts:
+            continue
         t = _bench_rotated([lambda: sc[..., :T - WINDOW].topk(TOKENS, -1, sorted=False)], 5, 10)
         rows.append({"shape": name, "kernel": "torch.topk", "time_s": t})
         print(f"{name} torch.topk: {t * 1e6:.1f} us", flush=True)
@@ -100,4 +103,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *([tuple(sys.argv[2].split(","))] if len(sys.argv) > 2 else []))
