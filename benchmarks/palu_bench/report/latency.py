@@ -130,7 +130,9 @@ def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
     """Speed-up over the best SDPA backend against context, a panel per shape and RoPE / no RoPE: a
     line per latent width at its best group size, and a band spanning every group size timed (the
     spread the choice of group size makes; uniform K/V split, batch 1); the dotted black line is
-    eager attention, the paper's baseline (a row above it beats eager by the ratio of the two).
+    eager attention, the paper's baseline (a row above it beats eager by the ratio of the two); on
+    the RoPE panels the dashed line is the fastest latent-space selection row at each length (it
+    reads only the chosen tokens: not the same attention, the accuracy is the long-context suite's).
     Log scale: 0.5x and 2x are as far from parity."""
     ok = frame[frame["error"].isna() & (frame["batch"] == 1) & frame["variant"].str.startswith("palu")]
     shapes = sorted(ok["shape"].unique())
@@ -151,6 +153,14 @@ def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
             if len(eager):   # below it a row is slower than eager: the paper's baseline
                 ax.plot(eager["length"], eager["speedup"], color="black", ls=":", marker="x",
                         label="eager attention (paper's baseline)")
+            select = frame[(frame["shape"] == shape) & (frame["batch"] == 1) & frame["error"].isna()
+                           & frame["variant"].str.startswith("select-")]
+            if rope and len(select):
+                best = select.loc[select.groupby("length")["seconds"].idxmin()].sort_values("length")
+                k = int(best["tokens"].iloc[0]) if best["tokens"].notna().all() and best["tokens"].nunique() == 1 else None
+                ax.plot(best["length"], best["speedup"], color="purple", ls="--", marker="s",
+                        label="latent-space selection" + (f" ({k} tokens + window)" if k else "")
+                        + ", fastest variant timed at each length")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log", base=2)
             ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
