@@ -4,8 +4,9 @@ reads are the step's own, so they are timed from L2 as in the step):
 
   python -m palu_bench.select_sweep OUT.json [scores,topk,attend]
 Rows (of the parts named; default all): `sketch_scores_fused` by block_t and num_warps (with the
-first-pass histogram or without), `select_attend` by splits, tiles, warps and early value gathers, and
-`radix_topk` by max_chunks and min_block, at llama2-7b (32 KV heads) and llama3-8b (8) shapes, 64K.
+first-pass histogram or without), `select_attend` by splits, tiles, warps, early value gathers and
+merge (over L2-rotated choices of tokens), and `radix_topk` by max_chunks and min_block, at
+llama2-7b (32 KV heads) and llama3-8b (8) shapes, 64K.
 """
 from __future__ import annotations
 
@@ -50,44 +51,51 @@ def main(out: str, parts=("scores", "topk", "attend")) -> None:
                   f"({gbs:.0f} GB/s)", flush=True)
         sc, hist = st.sketch_scores_fused(cases[0]["q"], cases[0]["bk"], cases[0]["sk"], H // G, window=WINDOW)
         want = sc[..., :T - WINDOW].float().topk(TOKENS, -1).values.sort(-1).values
-        for chunks, min_block, atomic in [(c, 256, a) for c in (32, 64) for a in (False, True)] * ("topk" in parts):
+        for chunks, min_block, atomic, ow in [(c, 256, False, w) for c in (32, 64) for w in (4, 8, 16)] * ("topk" in parts):
             fn = lambda: st.radix_topk(sc, TOKENS, WINDOW, hist=hist, max_chunks=chunks,  # noqa: E731
-                                       min_block=min_block, atomic=atomic)
+                                       min_block=min_block, atomic=atomic, offsets_warps=ow)
             got = sc[..., :T - WINDOW].float().gather(-1, fn()[..., :TOKENS]).sort(-1).values
             ok = bool(torch.equal(got, want))
             t = _bench_rotated([fn], 5, 10)
             launches = []
             st.radix_topk(sc, TOKENS, WINDOW, hist=hist, max_chunks=chunks, min_block=min_block,
-                          atomic=atomic, _parts=launches)
+                          atomic=atomic, offsets_warps=ow, _parts=launches)
             times = [_bench_rotated([f], 5, 10) for f in launches]
             rows.append({"shape": name, "kernel": "radix_topk", "max_chunks": chunks, "min_block": min_block,
-                         "atomic": atomic,
+                         "atomic": atomic, "offsets_warps": ow,
                          "block": max(min_block, triton.next_power_of_2(triton.cdiv(T - WINDOW, chunks))),
                          "time_s": t, "parts_s": dict(zip(("low_hist", "offsets", "emit"), times)),
                          "values_equal_torch_topk": ok})
-            print(f"{name} topk chunks<={chunks} min_block={min_block} atomic={atomic}: {t * 1e6:.1f} us "
+            print(f"{name} topk chunks<={chunks} min_block={min_block} atomic={atomic} offsets_warps={ow}: "
+                  f"{t * 1e6:.1f} us "
                   f"(low_hist {times[0] * 1e6:.1f}, offsets {times[1] * 1e6:.1f}, emit {times[2] * 1e6:.1f}), "
                   f"values equal: {ok}", flush=True)
-        # the fused attend over the chosen tokens, by splits per KV head, tile and warps
+        # the fused attend over the chosen tokens, by splits per KV head, tile, warps, early value
+        # gathers and merge; rotated over enough random choices that their rows exceed L2
         from palu_kernels.select_attend import select_attend
-        idx = st.radix_topk(sc, TOKENS, WINDOW, hist=hist)
         hk = torch.randn(1, G, T, RANK, device="cuda", dtype=torch.float16, generator=gen)
         hv = torch.randn(1, G, T, RANK, device="cuda", dtype=torch.float16, generator=gen)
         q_rot = torch.randn(1, H, D, device="cuda", dtype=torch.float16, generator=gen)
         inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
-        args = (q_rot, hk, hv, cases[0]["bk"], idx, inv, 1 / math.sqrt(D), H // G)
-        ref = select_attend(*args)
-        for splits in (None, 16, 32) * ("attend" in parts):
-            for block_n, warps, early_v in ((64, 4, False), (64, 4, True), (32, 4, True), (32, 2, True),
-                                            (64, 8, True), (16, 2, True)):
-                fn = lambda: select_attend(*args, splits=splits, block_n=block_n, num_warps=warps,  # noqa: E731
-                                           early_v=early_v)
-                err = float((fn() - ref).norm() / ref.norm())
-                t = _bench_rotated([fn], 5, 10)
-                rows.append({"shape": name, "kernel": "select_attend", "splits": splits, "block_n": block_n,
-                             "warps": warps, "early_v": early_v, "time_s": t, "rel_err_vs_default": err})
-                print(f"{name} attend splits={splits} block_n={block_n} warps={warps} early_v={early_v}: "
-                      f"{t * 1e6:.1f} us (rel. err {err:.1e})", flush=True)
+        n = TOKENS + WINDOW
+        sets = max(1, math.ceil(4 * 60e6 / (G * n * RANK * 2 * 2)))
+        recent = torch.arange(T - WINDOW, T, device="cuda").expand(1, G, WINDOW)
+        idxs = [torch.cat([torch.rand(1, G, T - WINDOW, device="cuda", generator=gen).topk(TOKENS, -1).indices
+                           .sort(-1).values, recent], -1).contiguous() for _ in range(sets)]
+        args = lambda idx: (q_rot, hk, hv, cases[0]["bk"], idx, inv, 1 / math.sqrt(D), H // G)  # noqa: E731
+        ref = select_attend(*args(idxs[0]), torch_merge=True)
+        grid = [(None, 64, 4, False, True)] + [(sp, bn, w, ev, False) for sp in (None, 8, 16, 32, 64)
+                                               for bn, w, ev in ((64, 4, False), (64, 4, True), (32, 4, True),
+                                                                 (32, 2, True), (16, 2, True), (64, 8, True))]
+        for splits, block_n, warps, early_v, torch_merge in grid * ("attend" in parts):
+            kw = dict(splits=splits, block_n=block_n, num_warps=warps, early_v=early_v, torch_merge=torch_merge)
+            err = float((select_attend(*args(idxs[0]), **kw) - ref).norm() / ref.norm())
+            t = _bench_rotated([lambda i=i: select_attend(*args(i), **kw) for i in idxs], 5, 10)
+            rows.append({"shape": name, "kernel": "select_attend", **kw, "index_sets": sets, "time_s": t,
+                         "rel_err_vs_torch_merge": err})
+            print(f"{name} attend splits={splits} block_n={block_n} warps={warps} early_v={early_v} "
+                  f"merge={'torch' if torch_merge else 'kernel'}: {t * 1e6:.1f} us (rel. err {err:.1e})",
+                  flush=True)
         if "topk" not in parts:
             continue
         t = _bench_rotated([lambda: sc[..., :T - WINDOW].topk(TOKENS, -1, sorted=False)], 5, 10)

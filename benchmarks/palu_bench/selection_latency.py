@@ -38,6 +38,19 @@ def step_counts(shape, B, T, rank, sketch, n, topk) -> dict:
     return {"bytes": nbytes, "flops": flops}
 
 
+def parse_fused(attend: str) -> tuple[int | None, dict]:
+    """`fused[:SPLITS[:BLOCK_N:WARPS[:ev]]]` (SPLITS `auto`: about one wave) -> (splits, the
+    kernel's other launch options); any other attend: (None, {})."""
+    parts = attend.split(":")
+    if parts[0] != "fused":
+        return None, {}
+    if len(parts) not in (1, 2, 4, 5) or (len(parts) == 5 and parts[4] != "ev"):
+        raise ValueError(f"attend {attend!r}: expected fused[:SPLITS[:BLOCK_N:WARPS[:ev]]]")
+    splits = None if len(parts) == 1 or parts[1] == "auto" else int(parts[1])
+    options = {"block_n": int(parts[2]), "num_warps": int(parts[3]), "early_v": len(parts) == 5} if len(parts) > 2 else {}
+    return splits, options
+
+
 def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) -> list[dict]:
     from palu_kernels.latent_select import (attend_selected, attend_selected_sdpa, fold_query, rope_table,
                                             rotate_query, select_tokens, selection_decode, sketch_scores)
@@ -68,13 +81,14 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                 checks.append({"shape": shape_name, "variant": "select-all-tokens", "rel_err": err})
             for tokens, topk, attend in [(k, t, a) for k in sc["tokens"] if k + window < T
                                      for t in sc["topk"] for a in sc.get("attend", ["fp32"])]:
-                splits = int(attend.split(":")[1]) if attend.startswith("fused:") else None
+                splits, options = parse_fused(attend)
 
-                def step(c, tokens=tokens, topk=topk, attend=attend, splits=splits):
+                def step(c, tokens=tokens, topk=topk, attend=attend, splits=splits, options=options):
                     return selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
                                             tokens=tokens, window=window, sketch=sketch, topk=topk,
                                             sketch_latents=c["sk"], table=table if attend == "sdpa" else None,
-                                            fused=attend.startswith("fused"), splits=splits, **kw)
+                                            fused=attend.startswith("fused"), splits=splits,
+                                            attend_options=options, **kw)
                 name = f"select-{'stored' if stored else 'inplace'}-sk{sketch}-k{tokens}-{topk}-{attend}"
                 try:
                     if topk != "plain" or attend != "fp32":   # the same tokens and output as the plain path
@@ -88,7 +102,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                                        "rel_err": _radix_value_error(cases[0], tokens, window, sketch, kw)})
                     t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
                     attend_fn = {"fp32": attend_selected,
-                                 "fused": lambda *a, **kw2: select_attend(*a, **kw2, splits=splits),
+                                 "fused": lambda *a, **kw2: select_attend(*a, **kw2, splits=splits, **options),
                                  "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
                                      q, a, b, k, i, table, **kw2)}[attend.split(":")[0]]
                     parts = _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,

@@ -5,6 +5,16 @@ import triton
 import triton.language as tl
 
 
+def launch_combine(acc, ms, ls, z, splits, rows, M, rv, G):
+    """Merge per-split partials acc [B*G*splits, M, rv], ms / ls [B*G*splits, M] into z [B, H, rv]."""
+    B, H = z.shape[0], z.shape[1]
+    block_c = min(64, triton.next_power_of_2(rv))
+    block_s = min(32, triton.next_power_of_2(splits))
+    _combine[(B * H, triton.cdiv(rv, block_c))](acc, ms, ls, z, splits, z.stride(0), z.stride(1),
+                                                ROWS=rows, M=M, RV=rv, BLOCK_C=block_c, G=G,
+                                                BLOCK_S=block_s)
+
+
 @triton.jit
 def _softmax_step(s, m_i, l_i):
     """Online softmax over one tile of base-2 scores: (new max, rescale factor, p, new sum)."""

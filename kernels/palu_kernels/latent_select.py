@@ -99,12 +99,13 @@ def attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale: float, n_rep: int
 
 def selection_decode(q, q_rot, hk, hv, bk, inv_freq, *, tokens: int, window: int, sketch: int,
                      scale: float, n_rep: int, topk: str = "plain", sketch_latents=None, table=None,
-                     fused: bool = False, splits: int | None = None):
+                     fused: bool = False, splits: int | None = None, attend_options: dict | None = None):
     """One step: q / q_rot [B, H, D] (before / after RoPE), hk [B, KVH, T, Rk], hv [B, KVH, T, Rv],
     bk [KVH, D, Rk]. `sketch_latents` is a separately stored [B, KVH, T, sketch] copy (contiguous);
     None reads the first `sketch` channels of `hk` in place. `table` (`rope_table`): attend through
     `attend_selected_sdpa` instead of the float32 `attend_selected`; `fused`: through the Triton
-    kernel `select_attend.select_attend` (`splits` programs per KV head; None: about one wave)."""
+    kernel `select_attend.select_attend` (`splits` programs per KV head; None: about one wave;
+    `attend_options`: its block_n / num_warps / early_v)."""
     sk = sketch_latents if sketch_latents is not None else hk[..., :sketch]
     if topk == "radix":     # fold + sketch scores + the radix select's first pass in one Triton launch
         from .select_topk import radix_topk, sketch_scores_fused
@@ -116,7 +117,8 @@ def selection_decode(q, q_rot, hk, hv, bk, inv_freq, *, tokens: int, window: int
         idx = select_tokens(sketch_scores(fold_query(q, bk, n_rep), sk), tokens, window, topk)
     if fused:               # one Triton kernel (palu_kernels/select_attend.py)
         from .select_attend import select_attend
-        return select_attend(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep, splits=splits)
+        return select_attend(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep, splits=splits,
+                             **(attend_options or {}))
     if table is not None:   # the cache's cos / sin table: the fewer-kernel path
         return attend_selected_sdpa(q_rot, hk, hv, bk, idx, table, scale, n_rep)
     return attend_selected(q_rot, hk, hv, bk, idx, inv_freq, scale, n_rep)

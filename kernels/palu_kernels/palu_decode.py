@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .combine import _combine
+from .combine import launch_combine as _launch_combine
 from .decode_inputs import check_inputs, check_positions
 from .decode_policy import (_SLOTS, _dynamic_chunks, _even_splits, _pow2_block, _resident_programs,
                             _sm_count, _use_asm, scores_plan)
@@ -35,15 +35,6 @@ from .two_pass_scores import _scores
 from .two_pass_values import _values
 
 LOG2E = 1.4426950408889634
-
-
-def _launch_combine(acc, ms, ls, z, splits, rows, M, rv, G):
-    B, H = z.shape[0], z.shape[1]
-    block_c = min(64, triton.next_power_of_2(rv))
-    block_s = min(32, triton.next_power_of_2(splits))
-    _combine[(B * H, triton.cdiv(rv, block_c))](acc, ms, ls, z, splits, z.stride(0), z.stride(1),
-                                                ROWS=rows, M=M, RV=rv, BLOCK_C=block_c, G=G,
-                                                BLOCK_S=block_s)
 
 
 def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, lengths, scale,

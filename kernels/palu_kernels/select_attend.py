@@ -8,7 +8,8 @@ it loads their key and value latent rows by index, rebuilds the two halves of ea
 head's factor (two [N, R] x [R, D/2] dots), rotates them at the token's position (cos / sin from
 the position and inv_freq, in registers), scores the KV head's query heads (padded to 16 rows for
 the tensor cores) and updates an online softmax whose value accumulator stays in latent space.
-The splits' partials are merged in torch (a few µs). M-LRD latents (one per KV head), fp16.
+The splits' partials are merged by `combine._combine` (one launch; the torch merge it replaced was
+seven). M-LRD latents (one per KV head), fp16.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import _softmax_step
+from .combine import _softmax_step, launch_combine
 
 
 @triton.jit
@@ -73,10 +74,13 @@ def _select_attend(Q, HK, HV, BK, IDX, INV, ACC, MS, LS, n_tok, per_split, qk_sc
 
 def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: torch.Tensor,
                   idx: torch.Tensor, inv_freq: torch.Tensor, scale: float, n_rep: int,
-                  splits: int | None = None, block_n: int = 64, num_warps: int = 4,
-                  early_v: bool = False) -> torch.Tensor:
+                  splits: int | None = None, block_n: int = 32, num_warps: int = 4,
+                  early_v: bool = False, torch_merge: bool = False) -> torch.Tensor:
     """z [B, H, Rv] (fp32): `attend_selected`'s result. q_rot [B, H, D], hk [B, G, T, R],
-    hv [B, G, T, Rv] (fp16, token rows contiguous), bk [G, D, R], idx [B, G, n] (int)."""
+    hv [B, G, T, Rv] (fp16, token rows contiguous), bk [G, D, R], idx [B, G, n] (int).
+    Defaults from `palu_bench.select_sweep` on the H200 (results/checks/h200-select-attend-sweep.json):
+    tiles of 32 tokens, 4 warps, ~3 waves of programs (22.4 µs at llama2-7b 64K, k = 1056, against
+    38.7 µs for one wave of 64-token tiles); `early_v` measured no faster (kept for the sweep)."""
     B, G, n = idx.shape
     D, R, RV = q_rot.shape[-1], hk.shape[-1], hv.shape[-1]
     if (hk.stride(-1) != 1 or hv.stride(-1) != 1 or hk.stride(0) != G * hk.stride(1)
@@ -87,10 +91,10 @@ def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: t
         if v < 16 or v & (v - 1):
             raise ValueError(f"select_attend: {name} {v} must be a power of two >= 16")
     M = max(16, triton.next_power_of_2(n_rep))
-    if splits is None:   # about one wave of programs
+    if splits is None:   # about three waves of programs: the H200 sweep's fastest at 64K, 32 and 8 KV heads
         props = torch.cuda.get_device_properties(q_rot.device) if q_rot.is_cuda else None
         sms = props.multi_processor_count if props else 4
-        splits = max(1, min(triton.cdiv(n, block_n), triton.cdiv(sms, B * G)))
+        splits = max(1, min(triton.cdiv(n, block_n), triton.cdiv(3 * sms, B * G)))
     per_split = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
     splits = triton.cdiv(n, per_split)
     dev = q_rot.device
@@ -104,7 +108,11 @@ def select_attend(q_rot: torch.Tensor, hk: torch.Tensor, hv: torch.Tensor, bk: t
         hk.stride(1), hk.stride(2), hv.stride(1), hv.stride(2), G,
         ROWS=n_rep, M=M, D=D, HALF=D // 2, R=R, RV=RV, BLOCK_N=block_n, EARLY_V=early_v,
         num_warps=num_warps)
-    m_all = ms.amax(1, keepdim=True)
+    if not torch_merge:
+        z = torch.empty(B, G * n_rep, RV, device=dev, dtype=torch.float32)
+        launch_combine(acc, ms, ls, z, splits, n_rep, M, RV, G)
+        return z
+    m_all = ms.amax(1, keepdim=True)   # the merge as torch ops (the sweep's comparison)
     w = torch.exp2(ms - m_all)
     z = (acc * w[..., None]).sum(1) / (ls * w).sum(1)[..., None]          # [B*G, M, RV]
     return z[:, :n_rep].reshape(B, G * n_rep, RV)

@@ -92,10 +92,11 @@ def _low_hist(S, HIST, LOW, ABOVE, T, older, k, C, BLOCK: tl.constexpr, ATOMIC: 
     bin into a zeroed LOW (few keys: the bin of the k-th largest of a row holds ~k of them), else
     by `tl.histogram` over every key of the chunk, stored."""
     row, c = tl.program_id(0), tl.program_id(1)
-    hi, _ = _pick_bin(tl.load(HIST + row * 256 + tl.arange(0, 256)), k)
     t = c * BLOCK + tl.arange(0, BLOCK)
     ok = t < older
-    key = _order_key(tl.load(S + row * T + t, mask=ok, other=0.0))
+    sc = tl.load(S + row * T + t, mask=ok, other=0.0)     # issued before the bin pick needs the histogram
+    hi, _ = _pick_bin(tl.load(HIST + row * 256 + tl.arange(0, 256)), k)
+    key = _order_key(sc)
     inside = ok & ((key >> 8) == hi)
     if ATOMIC:
         tl.atomic_add(LOW + (row * C + c) * 256 + (key & 0xFF), 1, mask=inside)
@@ -140,8 +141,14 @@ def _emit(S, OFF, THR, IDX, T, older, k, window, C, BLOCK: tl.constexpr, WBLOCK:
     gt = ok & (key > thresh)
     eq = ok & (key == thresh)
     out = IDX + row * (k + window)
-    tl.store(out + gt_off + tl.cumsum(gt.to(tl.int32), 0) - 1, t.to(tl.int64), mask=gt)
-    rank_eq = eq_off + tl.cumsum(eq.to(tl.int32), 0) - 1
+    if BLOCK <= 32768:   # one scan for both ranks: the count above the threshold in the low 16
+        # bits, the equal count above them (at most BLOCK each, so neither carries into the other)
+        both = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), 0)
+        rank_gt, rank_eq = both & 0xFFFF, both >> 16
+    else:
+        rank_gt, rank_eq = tl.cumsum(gt.to(tl.int32), 0), tl.cumsum(eq.to(tl.int32), 0)
+    tl.store(out + gt_off + rank_gt - 1, t.to(tl.int64), mask=gt)
+    rank_eq = eq_off + rank_eq - 1
     tl.store(out + n_gt + rank_eq, t.to(tl.int64), mask=eq & (rank_eq < ties))
     if c == 0:
         for w0 in range(0, window, WBLOCK):
@@ -177,14 +184,15 @@ def sketch_scores_fused(q: torch.Tensor, bk: torch.Tensor, sketch: torch.Tensor,
 
 def radix_topk(scores: torch.Tensor, tokens: int, window: int, hist: torch.Tensor | None = None,
                max_chunks: int = 64, min_block: int = 1024, atomic: bool = False,
-               _parts: list | None = None) -> torch.Tensor:
+               offsets_warps: int = 4, _parts: list | None = None) -> torch.Tensor:
     """scores [B, G, T] fp16 -> indices [B, G, tokens + window] (int64): the `tokens` highest
     scores among the tokens older than the window (ties broken by position), then the window
     (`latent_select.select_tokens`'s contract). `hist`: the first pass's histogram as
     `sketch_scores_fused(..., window=window)` returns it (for this window). Each row is cut into
     at most `max_chunks` chunks of a power-of-two number (>= `min_block`) of tokens, one program
     each: the passes run in parallel over the row, not in a loop of one program per row.
-    `atomic`: the low-byte histograms by atomics (`_low_hist`). `_parts` (benchmarks): a list the
+    `atomic`: the low-byte histograms by atomics (`_low_hist`). `offsets_warps`: the warps of the
+    per-row `_offsets` program (it holds the row's C x 256 low-byte counts). `_parts` (benchmarks): a list the
     three launches are appended to as callables, to time them alone."""
     if scores.dtype != torch.float16:
         raise ValueError(f"radix_topk orders fp16 scores, not {scores.dtype}")
@@ -209,7 +217,8 @@ def radix_topk(scores: torch.Tensor, tokens: int, window: int, hist: torch.Tenso
     hist = hist.contiguous()
     launches = [
         lambda: _low_hist[(rows, C)](scores, hist, low, above, T, older, tokens, C, BLOCK=block, ATOMIC=atomic),
-        lambda: _offsets[(rows,)](hist, low, above, off, thr, tokens, C, CP=triton.next_power_of_2(C)),
+        lambda: _offsets[(rows,)](hist, low, above, off, thr, tokens, C, CP=triton.next_power_of_2(C),
+                                      num_warps=offsets_warps),
         lambda: _emit[(rows, C)](scores, off, thr, idx, T, older, tokens, window, C, BLOCK=block, WBLOCK=256)]
     for launch in launches:
         launch()

@@ -110,7 +110,21 @@ def test_the_fused_attend_kernel_equals_the_torch_attend(n_rep, n):
     idx = torch.stack([torch.randperm(T, generator=g)[:n].sort().values for _ in range(B * G)]).view(B, G, n).to(dev)
     inv_freq = (1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))).to(dev)
     ref = attend_selected(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep)
-    for splits, early_v in ((1, False), (3, False), (3, True)):
+    for splits, early_v, torch_merge in ((1, False, False), (3, False, False), (3, True, False), (3, False, True)):
         out = select_attend(q_rot, hk, hv, bk, idx, inv_freq, 1 / math.sqrt(D), n_rep, splits=splits, block_n=16,
-                            early_v=early_v)
-        assert ((out - ref).norm() / ref.norm()).item() < 2e-3
+                            early_v=early_v, torch_merge=torch_merge)
+        assert out.shape == ref.shape
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-3, (splits, early_v, torch_merge)
+
+
+def test_the_latency_grid_reads_fused_attend_settings_and_refuses_bad_ones():
+    """selection_bench's `attend=[fused:16:32:2:ev]` entries reach `select_attend` as these options."""
+    from palu_bench.selection_latency import parse_fused
+    assert parse_fused("fused") == (None, {})
+    assert parse_fused("sdpa") == (None, {})
+    assert parse_fused("fused:16") == (16, {})
+    assert parse_fused("fused:auto:32:2") == (None, {"block_n": 32, "num_warps": 2, "early_v": False})
+    assert parse_fused("fused:8:64:4:ev") == (8, {"block_n": 64, "num_warps": 4, "early_v": True})
+    for bad in ("fused:8:64", "fused:8:64:4:xx", "fused:8:64:4:ev:1"):
+        with pytest.raises(ValueError, match="expected fused"):
+            parse_fused(bad)

@@ -136,7 +136,7 @@ def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
     Log scale: 0.5x and 2x are as far from parity."""
     ok = frame[frame["error"].isna() & (frame["batch"] == 1) & frame["variant"].str.startswith("palu")]
     shapes = sorted(ok["shape"].unique())
-    fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 7.6), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, len(shapes), figsize=(6.5 * len(shapes), 8.4), squeeze=False, sharex=True)
     for col, shape in enumerate(shapes):
         for row, rope in enumerate((False, True)):
             ax = axes[row][col]
@@ -166,11 +166,16 @@ def speedup_figure(frame: pd.DataFrame, out: str | Path) -> None:
             ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}x"))
             ax.set_ylabel("speed-up over the best torch SDPA backend")
             ax.set_title(f"{shape}, {'RoPE' if rope else 'no RoPE'}: Palu-50% decode attention", fontsize=10)
-            ax.legend(fontsize=8, title="line: best group size; band: every group size", title_fontsize=7,
-                      loc="upper left")
             if row == 1:
                 ax.set_xlabel("context length (tokens)")
-    fig.tight_layout()
+    # one legend below the panels, not over them: the lines reach every corner of some panel
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=3, fontsize=8,
+               title="line: best group size; band: every group size", title_fontsize=8)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     with atomic_path(out) as tmp:
         fig.savefig(tmp, dpi=130, format="png")
     plt.close(fig)
