@@ -5,7 +5,7 @@ times the SDPA / eager baselines and `selection_rows` at the given lengths.
   python -m palu_bench.selection_bench OUT.json ['shapes=[llama2-7b,llama3-8b]' 'lengths=[65536]'
       'topk=[plain,radix]' 'attend=[fused,fused:16]' 'tokens=[1024]' 'sketch=[16]']
 `attend` entries `fused[:SPLITS[:BLOCK_N:WARPS[:ev]]]` run the fused attend kernel with SPLITS programs
-per KV head (`auto`: about one wave), tiles of BLOCK_N tokens, WARPS warps, `ev`: early value gathers.
+per KV head (`auto`: the default, ~3 waves), tiles of BLOCK_N tokens, WARPS warps, `ev`: early value gathers.
 """
 from __future__ import annotations
 

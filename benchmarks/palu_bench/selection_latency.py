@@ -39,7 +39,7 @@ def step_counts(shape, B, T, rank, sketch, n, topk) -> dict:
 
 
 def parse_fused(attend: str) -> tuple[int | None, dict]:
-    """`fused[:SPLITS[:BLOCK_N:WARPS[:ev]]]` (SPLITS `auto`: about one wave) -> (splits, the
+    """`fused[:SPLITS[:BLOCK_N:WARPS[:ev]]]` (SPLITS `auto`: the kernel's default, ~3 waves) -> (splits, the
     kernel's other launch options); any other attend: (None, {})."""
     parts = attend.split(":")
     if parts[0] != "fused":

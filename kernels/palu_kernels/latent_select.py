@@ -104,7 +104,7 @@ def selection_decode(q, q_rot, hk, hv, bk, inv_freq, *, tokens: int, window: int
     bk [KVH, D, Rk]. `sketch_latents` is a separately stored [B, KVH, T, sketch] copy (contiguous);
     None reads the first `sketch` channels of `hk` in place. `table` (`rope_table`): attend through
     `attend_selected_sdpa` instead of the float32 `attend_selected`; `fused`: through the Triton
-    kernel `select_attend.select_attend` (`splits` programs per KV head; None: about one wave;
+    kernel `select_attend.select_attend` (`splits` programs per KV head; None: ~3 waves of programs;
     `attend_options`: its block_n / num_warps / early_v)."""
     sk = sketch_latents if sketch_latents is not None else hk[..., :sketch]
     if topk == "radix":     # fold + sketch scores + the radix select's first pass in one Triton launch
