@@ -138,10 +138,12 @@ def main(argv: list[str]) -> None:
             per = pool.map(_worker, [(None, cfg["lengths"][0], cfg["new_tokens"], cfg["prompts"],
                                       cfg["dtype"], device)] * P)
         wall = time.perf_counter() - t0
+        # together: P prompts each `max(per)` seconds apart, counted until the slowest finishes
+        # (at their mean pace it would be P / mean(per))
         scaling.append({"processes": P, "s_per_prompt_each": per,
-                        "prompts_per_s": P * cfg["prompts"] / max(per) if per else None, "wall_s": wall})
-        print(f"{P:2d} processes: {sum(per) / len(per):.2f} s/prompt each, "
-              f"{P / (sum(per) / len(per)):.2f} prompts/s together", flush=True)
+                        "prompts_per_s": P / max(per) if per else None, "wall_s": wall})
+        print(f"{P:2d} processes: {sum(per) / len(per):.2f} s/prompt each (mean), "
+              f"{P / max(per):.2f} prompts/s together (until the slowest finishes)", flush=True)
         save()
 
 

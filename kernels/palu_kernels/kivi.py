@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import _combine, _softmax_step
+from .combine import _softmax_step, launch_combine
 from palu.quant.packed import pack_codes, unpack_codes
 from .palu_decode import _use_asm
 from .unpack import _unpack_part
@@ -245,8 +245,5 @@ def kivi_decode(q: torch.Tensor, cache: dict, scale: float | None = None, splits
         BLOCK_R=max(16, triton.next_power_of_2(R)), ASM=_use_asm(q.device),
         num_warps=num_warps, num_stages=num_stages)
     z = torch.empty(B, H, D, device=q.device, dtype=torch.float32)
-    block_c = min(64, triton.next_power_of_2(D))
-    _combine[(B * H, triton.cdiv(D, block_c))](acc, ms, ls, z, parts, z.stride(0), z.stride(1),
-                                               ROWS=n_rep, M=M, RV=D, BLOCK_C=block_c, G=KVH,
-                                               BLOCK_S=min(32, triton.next_power_of_2(parts)))
+    launch_combine(acc, ms, ls, z, parts, n_rep, M, D, KVH)
     return z.to(q.dtype)

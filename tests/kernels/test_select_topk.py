@@ -135,3 +135,11 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="last dimension contiguous"):
         sketch_scores_fused(torch.randn(1, 2, 32).half(), torch.randn(2, 32, 16).half(),
                             torch.randn(1, 2, 16, 10).half().transpose(-1, -2), 1)
+
+
+def test_radix_topk_over_chunks_too_long_for_the_packed_scan():
+    """Chunks of more than 32768 tokens rank their chosen keys with two scans (the packed one would
+    carry between its 16-bit fields): the same k largest, ties lowest position first."""
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randint(-20, 20, (1, 1, 70000), generator=g).half()   # many ties at the threshold
+    _check_topk(scores, 3000, 10, 65536)
