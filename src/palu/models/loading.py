@@ -164,7 +164,11 @@ def load_model(model_id: str, dtype: str = "float32", device: str = "cpu"):
     if src.kind == "hub":   # the others were checked from their config before loading
         check_supported(model.config, model_id)
     if src.kind == "gguf":
+        from .gguf_tokenizer import rebuild_spm_tokenizer
+        rebuild_spm_tokenizer(tok, Path(src.path) / src.gguf_file)
         _align_tokenizer(tok, model, Path(src.path) / src.gguf_file)
+    from .tokenizer_check import check_tokenizer
+    check_tokenizer(tok, f"the tokenizer of {model_id!r}")
     model.eval().to(device)
     return model, tok
 
