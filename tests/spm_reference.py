@@ -7,28 +7,31 @@ from palu.models.gguf_tokenizer import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, US
 
 def encode(vocab, text: str) -> list[int]:
     """Ids of `text`: whole user-defined / control pieces first (longest at the leftmost place),
-    then each fragment between them merged pair by pair, highest-scoring merged piece first
+    then each fragment between them (with a leading ▁ where the vocabulary says to add one) merged pair by pair, highest-scoring merged piece first
     (leftmost on ties); characters outside the vocabulary become their UTF-8 bytes."""
-    whole = {p: i for i, (p, t) in enumerate(zip(vocab.pieces, vocab.types))
-             if t in (USER_DEFINED, CONTROL, UNKNOWN)}
+    whole = vocab.ids(USER_DEFINED, CONTROL, UNKNOWN)
+    normal, byte = vocab.ids(NORMAL), vocab.ids(BYTE)
+    by_first = {}
+    for piece in whole:
+        by_first.setdefault(piece[0], []).append(piece)
     out, start, i = [], 0, 0
     while i < len(text):
-        match = max((p for p in whole if text.startswith(p, i)), key=len, default=None)
+        match = max((p for p in by_first.get(text[i], ()) if text.startswith(p, i)), key=len, default=None)
         if match is None:
             i += 1
             continue
-        out += _merge(vocab, text[start:i], first=start == 0)
+        out += _merge(vocab, normal, byte, text[start:i])
         out.append(whole[match])
         i = start = i + len(match)
-    return out + _merge(vocab, text[start:], first=start == 0)
+    return out + _merge(vocab, normal, byte, text[start:])
 
 
-def _merge(vocab, fragment: str, first: bool) -> list[int]:
+def _merge(vocab, normal: dict, byte: dict, fragment: str) -> list[int]:
     if not fragment:
         return []
-    normal = {p: i for i, (p, t) in enumerate(zip(vocab.pieces, vocab.types)) if t == NORMAL}
     fragment = fragment.replace(" ", SPACE)
-    if vocab.add_space_prefix and first:
+    # llama.cpp prefixes a space to every text fragment that starts the text or follows a whole piece
+    if vocab.add_space_prefix:
         fragment = SPACE + fragment
     symbols = list(fragment)
     while True:
@@ -41,7 +44,6 @@ def _merge(vocab, fragment: str, first: bool) -> list[int]:
             break
         k = best[1]
         symbols[k:k + 2] = [symbols[k] + symbols[k + 1]]
-    byte = {p: i for i, (p, t) in enumerate(zip(vocab.pieces, vocab.types)) if t == BYTE}
     ids = []
     for s in symbols:
         if s in normal:

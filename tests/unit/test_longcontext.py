@@ -137,3 +137,30 @@ def test_the_long_context_table_and_heatmap(tmp_path):
     assert (tmp_path / "h.png").stat().st_size > 5_000
     with pytest.raises(ValueError, match="different samples"):
         longcontext_frame([paths[0], _lc_result(tmp_path, "short", [1.0] * 8)])
+
+
+@pytest.mark.parametrize("which", ["fp16", "palu-4bit", "snapkv"])
+def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
+    """Float64: the needle suite and the document suites (prompts of different lengths and answer
+    lengths, several tasks) give the same result at batch 4 as one prompt at a time — answers,
+    scores, intervals and bytes. SnapKV cannot batch exactly: it answers one at a time."""
+    from palu.eval.documents import Document, evaluate_documents
+    from palu.eval.needles import evaluate_needles
+    tok = tiny_tokenizer()
+    if which == "palu-4bit":
+        model, method = _palu_method(tmp_path, 4)
+    else:
+        model = tiny_llama(0).double()
+        method = build_method({"name": which} if which == "fp16" else
+                              {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1})
+        method.install(model)
+    filler = ". ".join(" ".join(WORDS[i:i + 8]) for i in range(0, 400, 8)) + "."
+    samples = make_samples(tok, filler * 4, KINDS[:2], [90, 150], [0.0, 0.5, 1.0], seed=2)
+    one = evaluate_needles(model, tok, method, samples, max_new_tokens=6)
+    assert evaluate_needles(model, tok, method, samples, max_new_tokens=6, batch_size=4) == one
+    words = list(dict.fromkeys(WORDS))[3:]
+    docs = [Document(f"task{i % 2}", str(i), "{context} question", " ".join(words[i:i + 20 + 9 * i]),
+                     [words[i + 2]], "string_match_all", 3 + 2 * (i % 2), chat=False) for i in range(7)]
+    one = evaluate_documents(model, tok, method, docs, 200)
+    assert evaluate_documents(model, tok, method, docs, 200, batch_size=4) == one
+    assert len({r["prompt_tokens"] for r in one["samples"]}) == 7

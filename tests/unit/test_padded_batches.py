@@ -1,17 +1,15 @@
-"""Padded batches through every cache method (issue 34, item 1): each row of a left-padded batch
-generates what its prompt generates alone, or the method refuses padded input by name.
+"""Padded batches through every registered method (issues 34 and 49): each row of a left-padded
+batch of prompts of different lengths gets what its prompt gets alone — every step's logits
+within 1e-9 in float64 (the prefill's last position and each decode step) and the same tokens,
+and through `answer_batches` the same answer and the same bytes — or the method refuses a padded
+batch by name. Parametrised over `method_names()`: a new method must be added to CONFIGS.
 
-Per-token methods (FP16, Palu's latents at any width, Atom, TurboQuant) code every token from
-itself, so a pad token beside it changes nothing. KIVI groups 32 consecutive tokens per channel
-and keeps the newest 128 exact, KVQuant keeps the first cached token exact: in a padded row those
-groups, that window and that first token are counted from the pad tokens, so the real tokens
-would be coded differently than alone (seen: 6 of 40 tokens changed for KIVI-2, 24-30 of 30 for
-KVQuant). They refuse a padded batch instead; one-prompt batches are unaffected.
-
-| method | left padding | right padding (one pass) |
-|---|---|---|
-| fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to the prompt alone | equal |
-| kivi, kvquant | refused (ValueError naming the method) | refused |
+| method | left-padded batch |
+|---|---|
+| fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to each prompt alone (per-token storage) |
+| kivi, kvquant, kivi_snapkv | refused: groups / windows / the first token counted by place in the row |
+| snapkv, pyramidkv, streaming_llm, tova, h2o, quest, palu_snapkv | refused: budgets and windows count a row's tokens |
+| palu_select | refused: it would choose pad tokens |
 """
 import copy
 
@@ -19,67 +17,112 @@ import pytest
 import torch
 
 import palu
-from palu.methods import build_method
 from palu.calib.kvquant import fit_kvquant
+from palu.eval.generation import answer_batches
+from palu.methods import build_method, method_names
 from tiny import tiny_llama
 
 PAD = 0
-PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70]]
-PER_TOKEN = ["fp16", "palu-b16", "palu-b4", "palu-b2", "atom-b4", "turboquant-b3"]
-GROUPED = ["kivi-b2", "kvquant-b3"]
+PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
+EVICT = {"evict_ratio": 0.5, "evict_window": 2, "evict_kernel": 1}
+CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture)
+    "fp16": {"fp16": {}},
+    "palu": {f"palu-b{b}": {"checkpoint": "CKPT", "bits": b} for b in (16, 4, 2)},
+    "atom": {"atom-b4": {"bits": 4}},
+    "turboquant": {"turboquant-b3": {"bits": 3}},
+    "kivi": {"kivi-b2": {"bits": 2, "group": 4, "residual": 4}},
+    "kvquant": {"kvquant-b3": {"state": "STATE"}},
+    "kivi_snapkv": {"kivi_snapkv": {"bits": 2, "group": 4, "residual": 4, **EVICT}},
+    "snapkv": {"snapkv": {"compression_ratio": 0.5, "window": 2, "kernel": 1}},
+    "pyramidkv": {"pyramidkv": {"compression_ratio": 0.5, "window": 2, "kernel": 1}},
+    "streaming_llm": {"streaming_llm": {"sink": 1, "window": 4}},
+    "tova": {"tova": {"budget": 6}},
+    "h2o": {"h2o": {"budget": 6, "window": 2}},
+    "quest": {"quest": {"page": 2, "budget": 4}},
+    "palu_select": {"palu_select": {"checkpoint": "CKPT", "tokens": 4, "window": 2}},
+    "palu_snapkv": {"palu_snapkv": {"checkpoint": "CKPT", **EVICT}},
+}
+VARIANTS = [(name, variant) for name in method_names() for variant in CONFIGS.get(name, {None: None})]
+TABLE: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def methods(tmp_path_factory):
-    base = tiny_llama(0).double()
+def base():
+    return tiny_llama(0).double()
+
+
+@pytest.fixture(scope="module")
+def paths(base, tmp_path_factory):
     calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(3))
-    compressed = copy.deepcopy(base)
     ckpt = tmp_path_factory.mktemp("palu") / "ckpt"
-    palu.compress(compressed, calib, kept_ratio=0.5, group_size=2, progress=False).save(ckpt)
+    palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=2, progress=False).save(ckpt)
     state = tmp_path_factory.mktemp("kvq") / "state"
     fit_kvquant(copy.deepcopy(base), calib, bits=3, weighting="uniform", tokens_per_window=16,
                 progress=False).save(state)
-    confs = {"fp16": {"name": "fp16"}, "atom-b4": {"name": "atom", "bits": 4},
-             "turboquant-b3": {"name": "turboquant", "bits": 3},
-             "kivi-b2": {"name": "kivi", "bits": 2, "group": 4, "residual": 4},
-             "kvquant-b3": {"name": "kvquant", "state": str(state)},
-             **{f"palu-b{b}": {"name": "palu", "checkpoint": str(ckpt), "bits": b} for b in (16, 4, 2)}}
-    out = {}
-    for name, conf in confs.items():
-        method = build_method(conf)
-        model = copy.deepcopy(base)
-        method.install(model)
-        out[name] = (method, model)
-    return out
+    return {"CKPT": str(ckpt), "STATE": str(state)}
 
 
-def _left_padded():
-    n = max(map(len, PROMPTS))
-    ids = torch.tensor([[PAD] * (n - len(p)) + p for p in PROMPTS])
-    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in PROMPTS])
-    return ids, mask
+@pytest.fixture(scope="module", autouse=True)
+def print_table():
+    yield
+    rows = "\n".join(f"| {v} | {TABLE[v]} |" for v in sorted(TABLE))
+    print(f"\n\nPadded batches (left padding, float64), every registered method:\n| method | row by row |\n|---|---|\n{rows}\n")
 
 
-def _generate(model, method, ids, mask=None):
+def _installed(base, paths, name, variant):
+    conf = {k: paths.get(v, v) if isinstance(v, str) else v for k, v in CONFIGS[name][variant].items()}
+    method = build_method({"name": name, **conf})
+    model = copy.deepcopy(base)
+    method.install(model)
+    return method, model
+
+
+class Tok:
+    """What `answer_batches` reads of a tokenizer (ids are decoded as their numbers)."""
+    pad_token_id, eos_token_id = PAD, 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids if not (skip_special_tokens and i in (PAD, 2)))
+
+
+def _generate(model, method, prompts):
+    n = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (n - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                              pad_token_id=PAD, past_key_values=method.make_cache(model))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD,
+                             past_key_values=method.make_cache(model), output_scores=True,
+                             return_dict_in_generate=True)
+    return out.sequences[:, n:], torch.stack(out.scores, 1)    # (B, new), (B, new, vocab)
 
 
-@pytest.mark.parametrize("name", PER_TOKEN)
-def test_each_row_of_a_left_padded_batch_generates_what_its_prompt_does_alone(methods, name):
-    method, model = methods[name]
-    ids, mask = _left_padded()
-    batch = _generate(model, method, ids, mask)[:, ids.shape[1]:]
+@pytest.mark.parametrize("name,variant", VARIANTS)
+def test_each_row_of_a_padded_batch_is_its_prompt_alone_or_refused(base, paths, name, variant):
+    assert variant is not None, f"method {name!r} has no tiny config in CONFIGS: add one"
+    method, model = _installed(base, paths, name, variant)
+    if not method.padded_batches:
+        with pytest.raises(ValueError, match="padded batch") as err:
+            _generate(model, method, PROMPTS)
+        TABLE[variant] = f"refused: {str(err.value)[:110]}"
+        _generate(model, method, [PROMPTS[0]])      # one prompt alone still runs
+        return
+    tokens, scores = _generate(model, method, PROMPTS)
     for row, prompt in enumerate(PROMPTS):
-        alone = _generate(model, method, torch.tensor([prompt]))[0, len(prompt):]
-        assert torch.equal(batch[row], alone), (name, row)
+        alone_tokens, alone_scores = _generate(model, method, [prompt])
+        assert torch.equal(tokens[row], alone_tokens[0]), (variant, row)
+        diff = (scores[row] - alone_scores[0]).abs().max().item()
+        assert diff <= 1e-9, (variant, row, diff)
+    batched = answer_batches(model, Tok(), method, PROMPTS, 8, batch_size=3)
+    one = answer_batches(model, Tok(), method, PROMPTS, 8, batch_size=1)
+    assert batched == one, variant          # answers and each row's bytes, as stored
+    TABLE[variant] = "exact: logits within 1e-9, same tokens, answers and bytes"
 
 
-@pytest.mark.parametrize("name", PER_TOKEN)
-def test_right_padding_leaves_the_real_tokens_logits_alone(methods, name):
+@pytest.mark.parametrize("variant", ["fp16", "palu-b16", "palu-b4", "atom-b4", "turboquant-b3"])
+def test_right_padding_leaves_the_real_tokens_logits_alone(base, paths, variant):
     """One prefill of a right-padded batch: each row's real tokens score as alone."""
-    method, model = methods[name]
+    name = next(n for n, v in VARIANTS if v == variant)
+    method, model = _installed(base, paths, name, variant)
     n = max(map(len, PROMPTS))
     ids = torch.tensor([p + [PAD] * (n - len(p)) for p in PROMPTS])
     mask = torch.tensor([[1] * len(p) + [0] * (n - len(p)) for p in PROMPTS])
@@ -87,20 +130,23 @@ def test_right_padding_leaves_the_real_tokens_logits_alone(methods, name):
         batch = model(ids, attention_mask=mask, past_key_values=method.make_cache(model)).logits
         for row, prompt in enumerate(PROMPTS):
             alone = model(torch.tensor([prompt]), past_key_values=method.make_cache(model)).logits[0]
-            assert torch.allclose(batch[row, :len(prompt)], alone, rtol=0, atol=1e-9), (name, row)
+            assert torch.allclose(batch[row, :len(prompt)], alone, rtol=0, atol=1e-9), (variant, row)
 
 
-@pytest.mark.parametrize("name", GROUPED)
-def test_a_grouping_method_refuses_a_padded_batch_by_name(methods, name):
-    method, model = methods[name]
-    ids, mask = _left_padded()
-    with pytest.raises(ValueError, match=rf"{method.tag}.*padded batch"):
-        _generate(model, method, ids, mask)
-    n = max(map(len, PROMPTS))
-    right = torch.tensor([p + [PAD] * (n - len(p)) for p in PROMPTS])
-    rmask = torch.tensor([[1] * len(p) + [0] * (n - len(p)) for p in PROMPTS])
-    with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
-        model(right, attention_mask=rmask, past_key_values=method.make_cache(model))
-    # a batch without padding (an all-ones mask) and one prompt alone still run
-    _generate(model, method, torch.tensor([PROMPTS[0]] * 2), torch.ones(2, len(PROMPTS[0]), dtype=torch.long))
-    _generate(model, method, torch.tensor([PROMPTS[1]]))
+def test_answer_batches_keeps_the_order_and_the_answer_lengths_given(base, paths):
+    """Prompts come back in the order given whatever the batching; a batch holds one answer
+    length; a method that cannot batch answers one prompt at a time (same answers)."""
+    prompts = PROMPTS + [[7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [30, 31]]
+    news = [3, 8, 8, 3, 5]
+    fp16, model = _installed(base, paths, "fp16", "fp16")
+    alone = [answer_batches(model, Tok(), fp16, [p], n)[0] for p, n in zip(prompts, news)]
+    assert answer_batches(model, Tok(), fp16, prompts, news, batch_size=4) == alone
+    assert answer_batches(model, Tok(), None, prompts, news, batch_size=2) == \
+        [answer_batches(model, Tok(), None, [p], n)[0] for p, n in zip(prompts, news)]
+    snap, snap_model = _installed(base, paths, "snapkv", "snapkv")
+    assert answer_batches(snap_model, Tok(), snap, prompts, news, batch_size=4) == \
+        [answer_batches(snap_model, Tok(), snap, [p], n)[0] for p, n in zip(prompts, news)]
+    with pytest.raises(ValueError, match="batch_size=0"):
+        answer_batches(model, Tok(), fp16, prompts, news, batch_size=0)
+    with pytest.raises(ValueError, match="5 prompts but 2 answer lengths"):
+        answer_batches(model, Tok(), fp16, prompts, [3, 4], batch_size=2)

@@ -161,9 +161,14 @@ class PaluAttention(nn.Module):
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
         evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
-        if evicting:
+        if evicting or self.selection is not None:
             from .subset_attention import _check_unpadded
-            _check_unpadded(attention_mask, "Palu + SnapKV")
+            if evicting:
+                _check_unpadded(attention_mask, "Palu + SnapKV")
+            else:
+                _check_unpadded(attention_mask, "Palu latent-space selection",
+                                "chooses tokens among every cached one: in a padded batch it would "
+                                "choose pad tokens (a row's answer would depend on the pad id)")
         out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
                                                            attention_mask)
         if out is not None:   # the kernels served this step

@@ -61,12 +61,13 @@ class SubsetKVAttention(FullHeads):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
 
 
-def _check_unpadded(attention_mask, name: str) -> None:
+def _check_unpadded(attention_mask, name: str,
+                    why: str = "counts tokens (a sink, a window, a budget): a padded batch would "
+                               "count a row's pad tokens too") -> None:
     """A padded batch is refused: a column no query may see is a pad token."""
     if attention_mask is None:
         return
     visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1
     seen_by_some = visible.any(-2) if visible.dim() == 4 else visible
     if not bool(seen_by_some.all()):
-        raise ValueError(f"{name} counts tokens (a sink, a window, a budget): a padded batch would "
-                         "count a row's pad tokens too; run prompts one at a time")
+        raise ValueError(f"{name} {why}; run prompts one at a time")

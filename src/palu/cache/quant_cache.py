@@ -289,9 +289,11 @@ class QuantKVLayer(CacheLayerMixin):
     def nbytes(self) -> dict:
         k, v = self.k.nbytes(), self.v.nbytes()
         out = {key: k[key] + v[key] for key in k}
-        out["metadata"] += (self.k.codec.layer_metadata_nbytes(self.layer_idx)
-                            + self.v.codec.layer_metadata_nbytes(self.layer_idx))
+        fixed = (self.k.codec.layer_metadata_nbytes(self.layer_idx)
+                 + self.v.codec.layer_metadata_nbytes(self.layer_idx))
+        out["metadata"] += fixed
         out["positions"] = 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
+        out["fixed"] = fixed   # of the metadata: per layer, whatever the rows and tokens (codebooks)
         return out
 
 
@@ -317,5 +319,5 @@ class QuantKVCache(Cache):
         for layer in self.layers:
             for key, value in layer.nbytes().items():
                 totals[key] = totals.get(key, 0) + value
-        totals["total"] = sum(totals.values())
+        totals["total"] = sum(v for k, v in totals.items() if k != "fixed")
         return totals

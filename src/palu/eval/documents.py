@@ -63,23 +63,32 @@ def prompt_ids(tokenizer, doc: Document, max_length: int) -> tuple[list[int], bo
 
 
 def evaluate_documents(model, tokenizer, method, docs: list[Document], max_length: int,
-                       log=None) -> dict:
-    """Every document answered through the method's cache and scored; per-task means with 95%
-    intervals (Wilson for 0/1 metrics, bootstrap otherwise)."""
-    from .generation import answer_and_bytes
+                       log=None, batch_size: int | str = 1) -> dict:
+    """Every document answered through the method's cache (`batch_size` prompts at a time,
+    `generation.answer_batches`) and scored; per-task means with 95% intervals (Wilson for 0/1
+    metrics, bootstrap otherwise)."""
+    from .generation import answer_batches
+    prompts = [prompt_ids(tokenizer, d, max_length) for d in docs]
+    answers = answer_batches(model, tokenizer, method, [ids for ids, _ in prompts],
+                             [d.max_new_tokens for d in docs], batch_size, progress=_progress(log, len(docs)))
     rows = []
-    for i, d in enumerate(docs):
-        ids, cut = prompt_ids(tokenizer, d, max_length)
-        text, nbytes = answer_and_bytes(model, tokenizer, method, ids, d.max_new_tokens)
+    for d, (ids, cut), (text, nbytes) in zip(docs, prompts, answers):
         scored = text.lstrip("\n").split("\n")[0] if d.first_line else text
         value = scorers.score(d.metric, scored, d.answers, all_classes=d.all_classes)
         rows.append({"task": d.task, "id": d.id, "metric": d.metric, "prompt_tokens": len(ids),
                      "truncated": cut, "answers": d.answers, "answer": text, "score": value,
                      **({"cache_bytes": nbytes} if nbytes else {}), **d.fields})
         if log is not None:
-            log(f"{i + 1}/{len(docs)} {d.task} {d.id}: {d.metric} {value:.2f} "
+            log(f"{len(rows)}/{len(docs)} {d.task} {d.id}: {d.metric} {value:.2f} "
                 f"({len(ids)} tokens{', cut' if cut else ''}; {text.strip()[:40]!r})")
     return {"samples": rows, "tasks": task_summary(rows)}
+
+
+def _progress(log, total: int):
+    """Batches answered, logged as they finish (the per-sample lines come once all are)."""
+    if log is None:
+        return None
+    return lambda done, _: log(f"answered {done}/{total} prompts")
 
 
 def task_summary(rows: list[dict]) -> dict:

@@ -1,9 +1,20 @@
-"""Answers generated through a method's cache: the prompt is prefilled into
-`method.make_cache(model)` and the answer decoded greedily from it, so it can only come from what
-the cache stores, never from K/V recomputed at full precision."""
+"""Answers generated through a method's cache: each prompt is prefilled into
+`method.make_cache(model)` and its answer decoded greedily from it, so it can only come from what
+the cache stores, never from K/V recomputed at full precision.
+
+`answer_batches` answers many prompts a batch at a time: longest first (the first batch shows
+the worst memory, as lm-eval orders requests), left-padded, one cache per batch. A method whose
+cache keeps every row exactly as that prompt alone (`CacheMethod.padded_batches`) gives each row
+what batch 1 gives; any other method answers one prompt at a time, and says so once.
+"""
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
+AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
 
 
 def answer(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int = 24) -> str:
@@ -11,20 +22,108 @@ def answer(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int 
     return answer_and_bytes(model, tokenizer, method, prompt_ids, max_new_tokens)[0]
 
 
-@torch.no_grad()
 def answer_and_bytes(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int = 24):
     """The answer, and the bytes its cache held at the end of it (stored, and read per decode
     step: they differ for selection methods; `method.cache_nbytes`), None for the plain model."""
+    return _generate(model, tokenizer, method, [prompt_ids], max_new_tokens)[0]
+
+
+def batchable(method) -> bool:
+    """Whether `method`'s cache serves a left-padded batch exactly, row by row (None: the plain
+    model, whose dynamic cache does)."""
+    return method is None or bool(getattr(method, "padded_batches", False))
+
+
+def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_tokens,
+                   batch_size: int | str = 1, progress=None) -> list[tuple[str, dict | None]]:
+    """(answer, bytes) of every prompt, in the order given. `max_new_tokens`: one for all or one
+    per prompt (a batch holds prompts of one answer length). `batch_size`: an int, or "auto" (on
+    a GPU: from `AUTO_MAX_BATCH` down, halved on out-of-memory; on a CPU: 1). `progress(done,
+    total)` is called after each batch."""
+    news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(news) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(news)} answer lengths")
+    size = resolve_batch_size(batch_size, model)
+    if size > 1 and not batchable(method):
+        log.info("%s answers one prompt at a time: its cache does not serve a padded batch exactly",
+                 method.tag)
+        size = 1
+    order = sorted(range(len(prompts)), key=lambda i: (-news[i], -len(prompts[i]), i))
+    out: list = [None] * len(prompts)
+    start = 0
+    while start < len(order):
+        group = [i for i in order[start:start + size] if news[i] == news[order[start]]]
+        try:
+            answers = _generate(model, tokenizer, method, [prompts[i] for i in group], news[group[0]])
+        except torch.OutOfMemoryError:
+            if batch_size != "auto" or size == 1:
+                raise
+            size //= 2
+            log.info("out of memory at batch %d: halved to %d", 2 * size, size)
+            torch.cuda.empty_cache()
+            continue
+        for i, a in zip(group, answers):
+            out[i] = a
+        start += len(group)
+        if progress is not None:
+            progress(start, len(order))
+    return out
+
+
+def check_batch_size(batch_size, key: str = "batch_size") -> None:
+    if batch_size != "auto" and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                 or batch_size < 1):
+        raise ValueError(f"{key}={batch_size!r} must be a positive integer or 'auto'")
+
+
+def resolve_batch_size(batch_size, model) -> int:
+    check_batch_size(batch_size)
+    if batch_size == "auto":
+        return AUTO_MAX_BATCH if next(model.parameters()).device.type == "cuda" else 1
+    return batch_size
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+@torch.no_grad()
+def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens: int):
+    """One left-padded batch through one cache: each row's answer (cut at its first EOS) and
+    the bytes its tokens hold in the cache."""
     device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = None   # unpadded (batch 1 included): no mask, the path one prompt always took
+    if any(len(p) != width for p in prompts):
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = None if method is None else method.make_cache(model)
     kwargs = {} if cache is None else {"past_key_values": cache}
-    out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=
-                         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                         **kwargs)
-    nbytes = None
-    if cache is not None:
-        n = method.cache_nbytes(cache)
-        nbytes = {"stored": int(n["total"]), "read_per_step": int(n.get("read_per_step", n["total"])),
-                  "tokens": int(out.shape[1] - 1)}   # the last token's K/V is never stored
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), nbytes
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=pad, **kwargs)
+    new = out[:, width:].tolist()
+    stop = eos_ids(model, tokenizer)
+    rows = []
+    for row, p in enumerate(prompts):
+        end = next((k + 1 for k, t in enumerate(new[row]) if t in stop), len(new[row]))
+        rows.append((tokenizer.decode(new[row][:end], skip_special_tokens=True),
+                     _row_bytes(method, cache, len(p) + end - 1, len(prompts), out.shape[1] - 1)))
+    return rows
+
+
+def _row_bytes(method, cache, tokens: int, batch: int, slots: int) -> dict | None:
+    """A row's share of the batch cache's bytes: what does not grow with the tokens (`fixed`:
+    per-layer codebooks), and its `tokens` of the batch x `slots` tokens stored of the rest.
+    Exact for the caches that serve padded batches (every other byte belongs to one token of one
+    row; the tests check it against batch 1); at batch 1, the cache's own count."""
+    if cache is None:
+        return None
+    n = method.cache_nbytes(cache)
+    fixed, share = n.get("fixed", 0), tokens / (batch * slots)
+    stored, read = n["total"], n.get("read_per_step", n["total"])
+    if batch > 1 or tokens != slots:
+        stored, read = fixed + (stored - fixed) * share, fixed + (read - fixed) * share
+    return {"stored": int(round(stored)), "read_per_step": int(round(read)), "tokens": int(tokens)}

@@ -149,9 +149,10 @@ def check_data(s) -> None:
     load_longbench(s.dir, s.tasks, limit=1, prompts=s.prompts)
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
     docs = load_longbench(s.dir, s.tasks, s.limit, s.prompts)
-    return {"suite": "longbench", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+    return {"suite": "longbench", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log,
+                                                 batch_size=batch_size)}
 
 
 SUITE = register_suite(Suite("longbench", LongBenchSettings, run,

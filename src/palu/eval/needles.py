@@ -17,7 +17,7 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 
-from .generation import answer
+from .generation import answer_batches
 from .stats import wilson_interval
 from .suites import Suite, check_positive, register_suite
 
@@ -127,15 +127,17 @@ def score(text: str, answers: list[str]) -> float:
 
 
 def evaluate_needles(model, tokenizer, method, samples: list[Sample], max_new_tokens: int = 24,
-                     log=None) -> dict:
+                     log=None, batch_size: int | str = 1) -> dict:
+    from .documents import _progress
+    prompts = [build_prompt(tokenizer, s.context, s.question) for s in samples]
+    answers = answer_batches(model, tokenizer, method, prompts, max_new_tokens, batch_size,
+                             progress=_progress(log, len(samples)))
     rows = []
-    for i, s in enumerate(samples):
-        ids = build_prompt(tokenizer, s.context, s.question)
-        text = answer(model, tokenizer, method, ids, max_new_tokens)
+    for s, ids, (text, _) in zip(samples, prompts, answers):
         rows.append({**{k: v for k, v in asdict(s).items() if k != "context"},
                      "prompt_tokens": len(ids), "answer": text, "score": score(text, s.answers)})
         if log is not None:
-            log(f"{i + 1}/{len(samples)} {s.kind} L={s.length} depth={s.depth:.2f}: "
+            log(f"{len(rows)}/{len(samples)} {s.kind} L={s.length} depth={s.depth:.2f}: "
                 f"score {rows[-1]['score']:.2f} ({text.strip()[:40]!r})")
     n = len(rows)
     mean = sum(r["score"] for r in rows) / n
@@ -153,12 +155,12 @@ def check(s) -> None:
         raise ValueError(f"longcontext.needles.depths={list(s.depths)} must lie in [0, 1]")
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
     from palu.data.corpora import load_corpus
     filler = load_corpus(s.corpus).evaluation_text
     samples = make_samples(tokenizer, filler, list(s.kinds), list(s.lengths), list(s.depths),
                            s.per_cell, s.seed, max_positions=max_positions)
-    r = evaluate_needles(model, tokenizer, method, samples, s.max_new_tokens, log=log)
+    r = evaluate_needles(model, tokenizer, method, samples, s.max_new_tokens, log=log, batch_size=batch_size)
     task = {"n": r["n"], "score": r["accuracy"], "lo": r["accuracy_lo"], "hi": r["accuracy_hi"],
             "metric": "needle"}
     return {"suite": "needles", **r, "tasks": {"needles": task}}

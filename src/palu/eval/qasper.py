@@ -88,9 +88,10 @@ def check(s) -> None:
     check_positive("qasper", s, "max_length", "max_new_tokens")
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
     docs = load_qasper(s.limit, s.seed, s.max_new_tokens)
-    return {"suite": "qasper", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+    return {"suite": "qasper", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log,
+                                                 batch_size=batch_size)}
 
 
 def tag(s, dtype: str) -> str:

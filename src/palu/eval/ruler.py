@@ -71,9 +71,10 @@ def check_data(s) -> None:
     load_ruler(s.dir, s.tasks, limit=1)
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
     docs = load_ruler(s.dir, s.tasks, s.limit)
-    return {"suite": "ruler", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log)}
+    return {"suite": "ruler", **evaluate_documents(model, tokenizer, method, docs, s.max_length, log=log,
+                                                 batch_size=batch_size)}
 
 
 SUITE = register_suite(Suite("ruler", RulerSettings, run, lambda s, dtype: local_files_tag("ruler", s, dtype),

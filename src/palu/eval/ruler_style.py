@@ -261,13 +261,13 @@ def check(s) -> None:
         raise ValueError(f"longcontext.ruler_style.lengths={list(s.lengths)} must be token counts >= 512")
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None) -> dict:
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
     from palu.data.corpora import load_corpus
     if max_positions is not None and max(s.lengths) > max_positions:
         raise ValueError(f"longcontext.ruler_style length {max(s.lengths)} exceeds the model's "
                          f"maximum context ({max_positions} positions)")
     docs = make_documents(tokenizer, s, load_corpus(s.corpus).evaluation_text, squad_questions())
-    r = evaluate_documents(model, tokenizer, method, docs, max(s.lengths), log=log)
+    r = evaluate_documents(model, tokenizer, method, docs, max(s.lengths), log=log, batch_size=batch_size)
     return {"suite": "ruler_style", **r}
 
 

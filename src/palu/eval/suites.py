@@ -9,8 +9,8 @@ one (`longcontext.suite=<name>`) and writes one result file named by the suite's
 - `longbench`: THUDM LongBench from local files (`longbench`), for users who have them.
 - `ruler`: RULER's own prepared files (`ruler`), for users who have them.
 
-Every answer is generated through the method's cache after the prompt is prefilled into it
-(`generation.answer`). Adding a suite: a module with its settings and `register_suite(Suite(...))`,
+Every answer is generated through the method's cache after the prompt is prefilled into it,
+`batch_size` prompts at a time (`generation.answer_batches`). Adding a suite: a module with its settings and `register_suite(Suite(...))`,
 and its import at the bottom of this file.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Callable
 class Suite:
     name: str
     settings: type                                   # dataclass: every setting and its default
-    # (model, tokenizer, method, settings, max_positions, log) -> {"samples", "tasks", ...};
+    # (model, tokenizer, method, settings, max_positions, log, batch_size) -> {"samples", "tasks", ...};
     # "tasks" maps task -> {"n", "score", "lo", "hi", "metric"}
     run: Callable[..., dict]
     tag: Callable[[Any, str], str]                   # (settings, dtype) -> result file name

@@ -15,6 +15,7 @@ from .quantized_kv import QuantizedKV
 @dataclass
 class Atom(QuantizedKV):
     name = "atom"
+    padded_batches = True   # per-token groups
     BITS = (2, 3, 4, 8)
     group: Optional[int] = None        # channels per group; None: one head (head_dim)
 

@@ -32,6 +32,11 @@ class CacheMethod:
     # query sees what the cache would hold when that token is decoded). A method that evicts
     # after the prefill (SnapKV) has no such meaning: its one-pass logits are the full model's.
     one_pass: ClassVar[bool] = True
+    # Whether the cache serves a left-padded batch of prompts exactly: every row gets what its
+    # prompt gets alone (`palu.eval.generation.answer_batches` batches only such methods). A
+    # method that sets it is held to it by tests/unit/test_padded_batches.py; the others refuse
+    # a padded batch by name.
+    padded_batches: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -10,6 +10,7 @@ from .base import CacheMethod
 class FullCache(CacheMethod):
     """Full-precision keys and values ("FP16" in the paper's tables; the model's dtype here)."""
     name = "fp16"
+    padded_batches = True   # a dynamic cache: per token, per row
 
     @property
     def tag(self) -> str:

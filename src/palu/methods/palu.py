@@ -29,6 +29,7 @@ def bits_tag(bits: int | str) -> str:
 @dataclass
 class Palu(CacheMethod):
     name = "palu"
+    padded_batches = True   # latents coded per token and group: a pad token codes only itself
     checkpoint: Optional[str] = None     # compressed checkpoint folder
     bits: int | str = 16                 # latent storage: 16 (model dtype), 8 / 4 / 3 / 2-bit, or
                                          # "alloc": the checkpoint's per-layer widths

@@ -19,6 +19,7 @@ from .palu import Palu
 class PaluSelect(Palu):
     name = "palu_select"
     one_pass = False
+    padded_batches = False   # chooses tokens per step: pads would be chosen (refused)
     tokens: int = 256             # tokens read per group beyond the window
     window: int = 32              # newest tokens always read
     sketch: Optional[int] = None  # leading key-latent channels scored (None: all)

@@ -18,6 +18,7 @@ from .prefill_eviction import PrefillEviction
 class PaluSnapKV(Palu, PrefillEviction):
     name = "palu_snapkv"
     one_pass = False
+    padded_batches = False   # SnapKV counts a row's tokens (refused)
 
     def check(self) -> None:
         super().check()

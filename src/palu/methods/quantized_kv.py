@@ -73,7 +73,8 @@ class QuantizedKV(CacheMethod):
     def cache_nbytes(self, cache) -> dict:
         n = cache.nbytes()
         return {"data": n["quantised"], "metadata": n["metadata"] + n["positions"],
-                "full_precision": n["full_precision"], "total": n["total"], "packed": True}
+                "full_precision": n["full_precision"], "total": n["total"], "packed": True,
+                "fixed": n["fixed"]}
 
     def expected_nbytes(self, tokens: int, batch: int = 1, element_size: int = 2) -> dict:
         """`cache_nbytes` of a cache holding `tokens` tokens, from the formula."""

@@ -14,6 +14,7 @@ from .quantized_kv import QuantizedKV
 @dataclass
 class TurboQuant(QuantizedKV):
     name = "turboquant"
+    padded_batches = True   # per-token codes
     BITS = (2, 3, 4)
     bits: int = 3
     seed: int = 0          # the random signs of the rotation (per layer)

@@ -109,12 +109,14 @@ class ZeroshotConfig:
 
 
 def _longcontext_schema() -> type:
-    """`longcontext`: the suite a run picks and one settings group per registered suite (its
-    dataclass in palu.eval.<suite>, the one home of its defaults)."""
+    """`longcontext`: the suite a run picks, how many prompts a batch answers (an int or "auto":
+    the largest that fits the GPU, halved on out-of-memory; answers equal batch 1's, exactly in
+    float64 and up to fp16 reductions on a GPU), and one settings group per registered suite
+    (its dataclass in palu.eval.<suite>, the one home of its defaults)."""
     from dataclasses import make_dataclass
 
     from palu.eval.suites import SUITES
-    return make_dataclass("LongContextConfig", [("suite", str, "needles")] + [
+    return make_dataclass("LongContextConfig", [("suite", str, "needles"), ("batch_size", Any, 1)] + [
         (name, suite.settings, field(default_factory=suite.settings)) for name, suite in SUITES.items()])
 
 
@@ -260,8 +262,10 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         check_request(list(z.tasks), z.limit, z.source)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from palu.eval.generation import check_batch_size
     from palu.eval.suites import SUITES, get_suite, settings_of
     try:
+        check_batch_size(merged.longcontext.batch_size, "longcontext.batch_size")
         for name, suite in SUITES.items():
             suite.check(settings_of(name, OmegaConf.to_container(merged.longcontext[name], resolve=True)))
         get_suite(merged.longcontext.suite).check_data(suite_settings(merged))

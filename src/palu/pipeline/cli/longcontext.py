@@ -34,7 +34,8 @@ def run(cfg) -> dict:
         model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
         result = suite.run(model, tok, method, settings, max_positions=limit,
-                           log=log.info if cfg.progress else None)
+                           log=log.info if cfg.progress else None, batch_size=cfg.longcontext.batch_size)
+        result["batch_size"] = cfg.longcontext.batch_size
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "suite": name, "run": naming.run_name(method.tag, method.lineage()),
                    **method.summary()}
