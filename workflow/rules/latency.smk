@@ -7,15 +7,18 @@ SCALE_DIR = naming.gpu_results_dir(R, "scale")
 LATENCY_JSON = sorted(str(p) for p in LATENCY_DIR.glob("*.json") if "tune" not in p.name)
 DECODE_JSON = sorted(str(p) for p in DECODE_DIR.glob("*.json"))
 SCALE_JSON = sorted(str(p) for p in SCALE_DIR.glob("*.json"))
+THROUGHPUT_DIR = naming.gpu_results_dir(R, "throughput")
+THROUGHPUT_JSON = sorted(str(p) for p in THROUGHPUT_DIR.glob("*.json"))
 # the grid whose GPU-hours the scale table projects from the measured rates
 PAPER_GRID = "conf/grid/paper.yaml"
 # Tables are default targets only where GPU results exist (committed ones for the default grid).
 LATENCY_TARGETS = ([str(naming.table_prefix(R, "latency")) + ".md"] if LATENCY_JSON else []) + (
     [str(naming.table_prefix(R, "decode")) + ".md"] if DECODE_JSON else []) + (
-    [str(naming.table_prefix(R, "scale")) + ".md"] if SCALE_JSON else [])
+    [str(naming.table_prefix(R, "scale")) + ".md"] if SCALE_JSON else []) + (
+    [str(naming.table_prefix(R, "throughput")) + ".md"] if THROUGHPUT_JSON else [])
 
 
-localrules: latency_table, decode_table, scale_table
+localrules: latency_table, decode_table, scale_table, throughput_table
 
 
 rule latency:
@@ -102,4 +105,23 @@ rule scale_table:
         prefix=str(naming.table_prefix(R, "scale")),
     shell:
         "exec {PY} -m palu_bench.cli.table table=scale 'inputs=[{params.inputs}]' grid={PAPER_GRID} "
+        "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
+
+
+# Batched evaluation throughput (palu_bench.batch_throughput on a GPU host with the embedded model's
+# weights staged there; its JSON committed under results/throughput/)
+rule throughput_table:
+    input:
+        THROUGHPUT_JSON,
+    output:
+        csv=str(naming.table_prefix(R, "throughput")) + ".csv",
+        md=str(naming.table_prefix(R, "throughput")) + ".md",
+        fig=str(naming.figure_path(R, "throughput")),
+    log:
+        log("collect", "throughput"),
+    params:
+        inputs=lambda w, input: ",".join(input),
+        prefix=str(naming.table_prefix(R, "throughput")),
+    shell:
+        "exec {PY} -m palu_bench.cli.table table=throughput 'inputs=[{params.inputs}]' "
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"

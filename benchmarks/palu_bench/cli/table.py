@@ -3,7 +3,8 @@
     python -m palu_bench.cli.table table=latency 'inputs=[results/latency/h200-llama2-7b.json]' \\
         out=results/tables/latency figure=results/figures/latency_speedup.png
 `table=latency` reads results/latency/*.json, `table=decode` results/decode/*.json, `table=scale`
-results/scale/*.json (and projects `grid`'s GPU-hours from its DAG); each writes `<out>.csv`,
+results/scale/*.json (and projects `grid`'s GPU-hours from its DAG), `table=throughput`
+results/throughput/*.json; each writes `<out>.csv`,
 `<out>.md` and the figure. Only the JSON is read: nothing here needs a GPU.
 """
 from __future__ import annotations
@@ -47,7 +48,17 @@ def scale_outputs(inputs: list[str], prefix: str, figure: str, grid: str):
     return frame
 
 
-TABLES = {"latency": latency_outputs, "decode": decode_outputs, "scale": scale_outputs}
+def throughput_outputs(inputs: list[str], prefix: str, figure: str):
+    from ..report.throughput import throughput_figure, throughput_frame, throughput_markdown
+    frame, meta = throughput_frame(inputs)
+    write_text(f"{prefix}.csv", frame.to_csv(index=False))
+    write_text(f"{prefix}.md", throughput_markdown(frame, meta))
+    throughput_figure(frame, figure)
+    return frame
+
+
+TABLES = {"latency": latency_outputs, "decode": decode_outputs, "scale": scale_outputs,
+          "throughput": throughput_outputs}
 
 
 def run(cfg) -> None:

@@ -1,0 +1,275 @@
+"""Prompts per second of the long-context suites' answering path (`palu.eval.generation.
+answer_batches`) by method and batch size, beside transformers' own `generate` (its dynamic cache,
+and its static cache with a compiled decode step) in the same run; and, at a fixed KV-cache
+memory budget, the largest batch each method's cache fits and its throughput (issue 49).
+
+  python -m palu_bench.batch_throughput OUT_DIR model=PATH.gguf text=PATH.txt
+      ['methods=[fp16,palu50-b16,palu50-b4,atom-b4,turboquant-b3]' 'batches=[1,16,64,128]'
+       'length=4032' 'new_tokens=64' 'budget_gib=4' 'time_limit=480' 'device=cuda' 'dtype=float16']
+
+Prompts are windows of `text` (a few hundred tokens apart) of different lengths (the longest
+`length` tokens, the shortest 7/8 of it), so every batch is left-padded. Every path generates
+`new_tokens` greedily with EOS switched off (the same work for every row and path). Batch 1 is
+timed over `ones` prompts one at a time; each other size over one batch of that many prompts.
+The share of answers that differ between batch 1 and the batch of `agree_batch` (the same
+prompts) is reported per method: fp16 reductions can flip an argmax. The JSON is rewritten after
+every measurement, so a run stopped at its time limit keeps what it measured.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+import torch
+
+METHODS = {
+    "fp16": {"name": "fp16"},
+    "palu50-b16": {"name": "palu", "bits": 16},
+    "palu50-b4": {"name": "palu", "bits": 4},
+    "atom-b4": {"name": "atom", "bits": 4},
+    "turboquant-b3": {"name": "turboquant", "bits": 3},
+    "kivi-b2": {"name": "kivi", "bits": 2},
+    "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
+}
+DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
+            "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,
+            "agree_batch": 64, "budget_gib": 4.0, "budget_methods": ["fp16", "palu50-b4"],
+            "references": ["dynamic", "static"], "time_limit": 480.0, "device": "cuda",
+            "dtype": "float16", "model": None, "text": None, "calib_windows": 16}
+
+
+class Run:
+    """The results so far, written to OUT_DIR/batch-throughput.json after every measurement."""
+
+    def __init__(self, out_dir: str, args: dict):
+        self.path = os.path.join(out_dir, "batch-throughput.json")
+        self.start = time.perf_counter()
+        self.limit = args["time_limit"]
+        self.data = {"config": {**args, "warmup": True}, "env": _env(args["device"]), "rows": [],
+                     "skipped": []}
+
+    def left(self) -> float:
+        return self.limit - (time.perf_counter() - self.start)
+
+    def add(self, row: dict) -> None:
+        self.data["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        self.save()
+
+    def skip(self, what: str) -> None:
+        self.data["skipped"].append(what)
+        print(f"skipped (time limit): {what}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.data, fh, indent=1)
+        os.replace(tmp, self.path)
+
+
+def _env(device: str) -> dict:
+    import transformers
+    env = {"torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version()}
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def make_prompts(token_ids: list[int], count: int, length: int, stride: int = 397) -> list[list[int]]:
+    """`count` windows of the text, lengths spread over [7/8 length, length], longest first."""
+    span = len(token_ids) - length
+    if span <= 0:
+        raise ValueError(f"the text has {len(token_ids)} tokens, fewer than a prompt of {length}")
+    shortest = length - length // 8
+    out = []
+    for i in range(count):
+        n = length - (i * 7919) % (length - shortest + 1)
+        start = (i * stride) % span
+        out.append(token_ids[start:start + n])
+    return sorted(out, key=len, reverse=True)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_reset(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+
+
+def time_ours(model, tok, method, prompts, new_tokens, batch, device):
+    """(seconds, answers) of `prompts` answered `batch` at a time through the method's cache,
+    after an untimed warm-up batch of the same shape (the first call of a new batch shape spent
+    ~8 s on the H200 in kernel selection and allocator growth: it would be timed otherwise)."""
+    from palu.eval.generation import answer_batches
+    answer_batches(model, tok, method, prompts[:batch], 2, batch_size=batch)
+    _sync(device)
+    t = time.perf_counter()
+    answers = answer_batches(model, tok, method, prompts, new_tokens, batch_size=batch)
+    _sync(device)
+    return time.perf_counter() - t, answers
+
+
+def time_reference(model, tok, prompts, new_tokens, kind, device):
+    """Seconds of transformers' `generate` over `prompts` as one left-padded batch, with its
+    dynamic cache or its static cache (compiled decode step), after an untimed warm-up call of the
+    same shape (compilation, kernel selection)."""
+    width = max(map(len, prompts))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id   # as answer_batches pads
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=pad)
+    if kind == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        model.generate(ids, **kwargs if kind == "static" else {**kwargs, "max_new_tokens": 2})   # warm-up
+        _sync(device)
+        t = time.perf_counter()
+        model.generate(ids, **kwargs)
+        _sync(device)
+    return time.perf_counter() - t
+
+
+def _checkpoint(model, windows, folder: str) -> str:
+    import palu
+    geom = palu.geometry_of(model.config)
+    result = palu.compress(copy.deepcopy(model), windows, kept_ratio=0.5, group_size=geom.num_kv_heads,
+                           progress=False)
+    path = os.path.join(folder, "palu50-j")
+    result.save(path)
+    return path
+
+
+def _method(model, name, ckpt):
+    from palu.methods import build_method
+    conf = dict(METHODS[name])
+    if conf["name"].startswith("palu"):
+        conf["checkpoint"] = ckpt
+    method = build_method(conf)
+    m = copy.deepcopy(model)
+    method.install(m)
+    return method, m
+
+
+def measure_method(run, model, tok, name, ckpt, prompts, args):
+    device, new = args["device"], args["new_tokens"]
+    method, m = _method(model, name, ckpt)
+    ones = None
+    for batch in args["batches"]:
+        if run.left() < 30:
+            run.skip(f"{name} batch {batch}")
+            continue
+        chosen = prompts[:args["ones"]] if batch == 1 else prompts[:batch]
+        _peak_reset(device)
+        try:
+            seconds, answers = time_ours(m, tok, method, chosen, new, batch, device)
+        except torch.OutOfMemoryError:
+            run.add({"path": "palu", "method": name, "batch": batch, "oom": True})
+            continue
+        row = {"path": "palu", "method": name, "batch": batch, "prompts": len(chosen),
+               "seconds": seconds, "prompts_per_s": len(chosen) / seconds, "peak_gib": _peak(device),
+               "batched": batch == 1 or method.padded_batches,
+               "kv_bytes_per_prompt": max(b["stored"] for _, b in answers)}
+        if batch == 1:
+            ones = [a for a, _ in answers]
+        elif batch == args["agree_batch"] and ones is not None:
+            differ = sum(a != b for a, (b, _) in zip(ones, answers))
+            row["agreement"] = {"prompts": len(ones), "differ": differ}
+        run.add(row)
+    return method, m
+
+
+def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
+    """The largest batch whose KV cache fits `budget_gib` (bytes as stored, measured), timed."""
+    device = args["device"]
+    batch = int(args["budget_gib"] * 2**30 // per_prompt)
+    if batch < 1 or run.left() < 60:
+        run.skip(f"budget {name}")
+        return
+    method, m = _method(model, name, ckpt)
+    chosen = prompts[:min(batch, len(prompts))]
+    _peak_reset(device)
+    try:
+        seconds, answers = time_ours(m, tok, method, chosen, args["new_tokens"], len(chosen), device)
+    except torch.OutOfMemoryError:
+        run.add({"path": "budget", "method": name, "batch": len(chosen), "oom": True})
+        return
+    run.add({"path": "budget", "method": name, "budget_gib": args["budget_gib"], "fits": batch,
+             "batch": len(chosen), "prompts_per_s": len(chosen) / seconds, "seconds": seconds,
+             "peak_gib": _peak(device), "kv_gib": sum(b["stored"] for _, b in answers) / 2**30})
+
+
+def overrides(items: list[str]) -> dict:
+    """DEFAULTS with `key=value` items (values read as YAML); an unknown key is an error."""
+    import yaml
+    args = dict(DEFAULTS)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULTS:
+            raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(DEFAULTS)}")
+        args[key] = yaml.safe_load(value)
+    return args
+
+
+def main(argv: list[str]) -> None:
+    import palu
+    if not argv:
+        raise SystemExit(__doc__)
+    out_dir, args = argv[0], overrides(argv[1:])
+    for key in ("model", "text"):
+        if not args[key]:
+            raise SystemExit(f"{key}= is required")
+    unknown = sorted(set(args["methods"]) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
+    os.makedirs(out_dir, exist_ok=True)
+    run = Run(out_dir, args)
+    device = args["device"]
+    model, tok = palu.load_model(args["model"], dtype=args["dtype"], device=device)
+    model.generation_config.eos_token_id = None       # every row generates new_tokens
+    with open(args["text"], encoding="utf-8") as fh:
+        ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
+    count = max(max(args["batches"]), args["ones"], args["agree_batch"])
+    fits_fp16 = None
+    with tempfile.TemporaryDirectory() as tmp:
+        windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
+        ckpt = _checkpoint(model, windows, tmp)
+        prompts = make_prompts(ids[args["calib_windows"] * 1024:], max(count, 512), args["length"])
+        per_prompt = {}
+        for name in args["methods"]:
+            measure_method(run, model, tok, name, ckpt, prompts, args)
+            rows = [r for r in run.data["rows"] if r.get("method") == name and "kv_bytes_per_prompt" in r]
+            if rows:
+                per_prompt[name] = max(r["kv_bytes_per_prompt"] for r in rows)
+        for kind in args["references"]:
+            for batch in (1, max(args["batches"])):
+                if run.left() < 60:
+                    run.skip(f"transformers {kind} batch {batch}")
+                    continue
+                _peak_reset(device)
+                seconds = time_reference(model, tok, prompts[:batch], args["new_tokens"], kind, device)
+                run.add({"path": f"transformers-{kind}", "method": "fp16", "batch": batch, "prompts": batch,
+                         "seconds": seconds, "prompts_per_s": batch / seconds, "peak_gib": _peak(device)})
+        for name in args["budget_methods"]:
+            if name in per_prompt:
+                measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt[name])
+    print(f"-> {run.path}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
