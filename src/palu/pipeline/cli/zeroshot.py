@@ -31,7 +31,7 @@ def run(cfg) -> dict:
         model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
         result = evaluate_zeroshot(model, tok, method, tasks=list(z.tasks), limit=z.limit,
-                                   source=z.source, seed=z.seed)
+                                   source=z.source, seed=z.seed, batch_size=z.batch_size)
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "run": naming.run_name(method.tag, method.lineage()), **method.summary()}
         write_json(out, record(cfg, "zeroshot", zeroshot=result, summary=summary, method=method.record()))
