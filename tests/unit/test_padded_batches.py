@@ -150,3 +150,21 @@ def test_answer_batches_keeps_the_order_and_the_answer_lengths_given(base, paths
         answer_batches(model, Tok(), fp16, prompts, news, batch_size=0)
     with pytest.raises(ValueError, match="5 prompts but 2 answer lengths"):
         answer_batches(model, Tok(), fp16, prompts, [3, 4], batch_size=2)
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, v in VARIANTS if v is not None])
+def test_perplexity_windows_in_a_batch_score_as_one_at_a_time(base, paths, name, variant):
+    """Equal-length windows (no padding) in one prefill: every one-pass method gives each window
+    what it gives alone (float64), and the bytes reported are one window's, as at batch 1."""
+    from palu.eval.perplexity import perplexity
+    method, model = _installed(base, paths, name, variant)
+    if not method.one_pass:
+        pytest.skip(f"{name} has no one-pass perplexity (refused by check_one_pass)")
+    windows = torch.randint(3, 97, (3, 24), generator=torch.Generator().manual_seed(5))
+    runs = [perplexity(model, windows, batch_size=b, progress=False, make_cache=lambda: method.make_cache(model),
+                       cache_nbytes=method.cache_nbytes) for b in (1, 3)]
+    assert abs(runs[0]["ppl"] - runs[1]["ppl"]) <= 1e-12 * runs[0]["ppl"], variant
+    assert max(abs(a - b) for a, b in zip(runs[0]["block_nll"], runs[1]["block_nll"])) <= 1e-9
+    one, three = runs[0]["cache_nbytes"], runs[1]["cache_nbytes"]
+    assert one.keys() == three.keys() and all(
+        abs(one[k] - three[k]) <= 1e-9 * max(1, abs(one[k])) for k in one if not isinstance(one[k], bool)), (one, three)

@@ -15,6 +15,24 @@ def prefill_nbytes(model, method, input_ids: torch.Tensor) -> dict:
     return method.cache_nbytes(cache)
 
 
+def one_row(nbytes: dict, batch: int) -> dict:
+    """`cache_nbytes` of a cache holding `batch` rows of equal length, as one row's: what does not
+    grow with rows (`fixed`: per-layer codebooks, inside metadata and total) once, the rest split
+    evenly (every other byte belongs to one token of one row; equal rows hold equal bytes)."""
+    if batch == 1:
+        return dict(nbytes)
+    fixed = nbytes.get("fixed", 0)
+    out = {}
+    for key, value in nbytes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "fixed":
+            out[key] = value
+        elif key in ("metadata", "total"):
+            out[key] = fixed + (value - fixed) / batch
+        else:
+            out[key] = value / batch
+    return out
+
+
 def fp16_equivalent(nbytes: dict, element_size: int) -> float:
     """The same cache with what it keeps in the model's dtype in fp16 (unpacked data, exact
     window / sink tokens); packed data and metadata (already fp16 / integers) as stored."""

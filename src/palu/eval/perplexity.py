@@ -36,7 +36,9 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
     tokens before it (Palu: its latents, quantised when the cache quantises them). A one-pass
     evaluation therefore equals feeding the tokens one at a time through the same cache
     (tests/unit/test_method_perplexity.py). None: no cache (`use_cache=False`).
-    `cache_nbytes`: measures the first window's filled cache (returned as `cache_nbytes`).
+    `batch_size` windows run as one prefill (equal lengths, no padding: each row holds what it
+    holds alone). `cache_nbytes`: measures the first batch's filled cache, returned as one
+    window's (`cache_nbytes`, `memory.one_row`).
     Returns ppl, total nll, scored token count and wall time, so results can be re-aggregated,
     and the NLL of every block of `BLOCK` scored tokens of every window (`block_nll`,
     `block_tokens`, window by window): the unit that intervals on ppl and paired differences
@@ -57,7 +59,8 @@ def perplexity(model, windows: torch.Tensor, batch_size: int = 1, progress: bool
             cache = make_cache()
             logits = model(input_ids=batch, past_key_values=cache, use_cache=True).logits
             if cache_nbytes is not None and measured is None:
-                measured = cache_nbytes(cache)
+                from ..cache.memory import one_row
+                measured = one_row(cache_nbytes(cache), batch.shape[0])
             del cache
         tokens = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
                                  reduction="none").view(batch.shape[0], -1).double()

@@ -17,21 +17,22 @@ def check_seqlen(model_config, seqlen: int, what: str = "seqlen") -> None:
 
 def evaluate_corpus(model, tokenizer, corpus: str, seqlen: int, max_tokens: int | None = None,
                     path: str | None = None, calibration_fraction: float = 0.3,
-                    progress: bool = True, method=None, bos: str = "auto") -> dict:
+                    progress: bool = True, method=None, bos: str = "auto", batch_size: int = 1) -> dict:
     """Perplexity on the evaluation part of `corpus` in non-overlapping `seqlen` windows, through
     `method`'s cache (a `palu.methods.CacheMethod`, already installed; None: no cache). `bos`:
-    auto | always | never, whether each window starts with the BOS token (see data/windows.py)."""
+    auto | always | never, whether each window starts with the BOS token (see data/windows.py).
+    `batch_size` windows a forward (the same number as one at a time, up to reductions)."""
     check_seqlen(model.config, seqlen)
     data = load_corpus(corpus, path=path, calibration_fraction=calibration_fraction)
     result = evaluate_text(model, tokenizer, text=data.evaluation_text, seqlen=seqlen,
                            max_tokens=max_tokens, method=method, bos=bos, progress=progress,
-                           interval=False)
+                           interval=False, batch_size=batch_size)
     return {**result, "corpus": corpus, "corpus_label": data.label, "standin": data.standin}
 
 
 def evaluate_text(model, tokenizer=None, text: str | None = None, windows=None, seqlen: int = 2048,
                   max_tokens: int | None = None, method=None, bos: str = "auto",
-                  progress: bool = True, interval: bool = True) -> dict:
+                  progress: bool = True, interval: bool = True, batch_size: int = 1) -> dict:
     """Perplexity of your own `text` (cut into non-overlapping `seqlen` windows, as
     `evaluate_corpus` cuts a corpus) or of ready token `windows` (n, T), through `method`'s cache
     (None: no cache). With `interval`, `ppl_lo` / `ppl_hi` are its 95% block-bootstrap interval;
@@ -57,7 +58,11 @@ def evaluate_text(model, tokenizer=None, text: str | None = None, windows=None, 
     from ..methods.base import check_one_pass
     check_one_pass(method, "perplexity")
     make_cache = None if method is None else (lambda: method.make_cache(model))
-    result = perplexity(model, windows, progress=progress, make_cache=make_cache,
+    from .generation import check_batch_size
+    check_batch_size(batch_size)
+    if batch_size == "auto":
+        raise ValueError("perplexity batch_size must be a positive integer (windows a forward)")
+    result = perplexity(model, windows, batch_size=batch_size, progress=progress, make_cache=make_cache,
                         cache_nbytes=None if method is None else method.cache_nbytes)
     if "cache_nbytes" in result:   # bytes of one window's real cache (batch 1, seqlen tokens)
         elem = next(model.parameters()).element_size()

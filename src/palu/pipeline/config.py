@@ -46,6 +46,7 @@ class DataConfig:
     max_tokens: Optional[int] = None    # evaluate only the first windows covering this many tokens
     calibration_fraction: float = 0.3
     bos: str = "auto"                   # windows start with BOS: auto (as the tokenizer) | always | never
+    batch_size: int = 1                 # perplexity windows a forward scores (a GPU takes many)
 
 
 @dataclass
@@ -179,7 +180,7 @@ _CHOICES = {
     "data.bos": BOS_SETTINGS,
     "calibration.bos": BOS_SETTINGS,
 }
-_POSITIVE = ("data.seqlen", "calibration.samples", "calibration.seqlen", "fisher.samples",
+_POSITIVE = ("data.seqlen", "data.batch_size", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
              "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
              "kvquant.tokens_per_window", "recovery.rank", "recovery.steps", "recovery.samples",

@@ -36,7 +36,8 @@ def run(cfg) -> dict:
         metrics = evaluate_corpus(model, tok, cfg.data.corpus, cfg.data.seqlen, cfg.data.max_tokens,
                                   path=cfg.data.path,
                                   calibration_fraction=cfg.data.calibration_fraction,
-                                  progress=cfg.progress, method=method, bos=cfg.data.bos)
+                                  progress=cfg.progress, method=method, bos=cfg.data.bos,
+                                  batch_size=cfg.data.batch_size)
         metrics.update(model=cfg.model.name, method=method.tag, dtype=cfg.model.dtype,
                        run=run_name,
                        calibration_fraction=cfg.data.calibration_fraction, **summary)
