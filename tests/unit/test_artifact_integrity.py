@@ -154,3 +154,18 @@ def test_statistics_name_their_model(tmp_path):
         check_model(meta, other.config, source_hash(other))
     with pytest.raises(StatisticsMismatchError, match="other shapes"):
         check_model(meta, tiny_llama(0, kv_heads=4).config)
+
+
+@pytest.mark.parametrize("tag", ["../../../escaped", "a/b", ".hidden", "$(touch x)", "two words"])
+def test_a_resealed_manifest_whose_tag_is_a_path_is_refused_as_a_name(checkpoint, tmp_path, tag):
+    """Issue 51, item 6: the seal is an unkeyed sha256, so a manifest can be edited and resealed;
+    its tag becomes a path component of every result and is checked as an untrusted name."""
+    from palu.pipeline import naming
+    _edit(checkpoint / "manifest.json", lambda m: m.update(tag=tag), reseal=True)
+    method = build_method({"name": "palu", "checkpoint": str(checkpoint)})
+    with pytest.raises(naming.UnsafeNameError, match="method tag"):
+        naming.run_name(method.tag, method.lineage())
+    with pytest.raises(naming.UnsafeNameError):
+        naming.metrics_path(str(tmp_path / "results"), "m", naming.run_name(method.tag), "wiki", 64, None)
+    assert naming.run_name("palu-whitened-uniform-k0.5-g1-b4", ("c-wiki_standin-n24",)) == \
+        "palu-whitened-uniform-k0.5-g1-b4/c-wiki_standin-n24"

@@ -269,3 +269,34 @@ def test_the_long_pilot_grid_runs_the_long_grids_methods():
     assert long["longcontext"]["baselines"] == pilot["longcontext"]["baselines"]
     assert {k: v for k, v in long.items() if k not in ("results", "longcontext")} == \
         {k: v for k, v in pilot.items() if k not in ("results", "longcontext")}
+
+
+@pytest.mark.parametrize("key, value", [("work", "$(touch {marker})"), ("results", "results two"),
+                                        ("eval.corpora", ["wiki_standin;touch {marker}"]),
+                                        ("longcontext.suites.qasper.limit", "`touch {marker}`")])
+def test_a_grid_value_that_a_shell_would_read_is_refused_before_any_job(tmp_path, key, value):
+    """Issue 51, item 7: grid values become arguments of `shell:` steps. A value with `$(...)`,
+    backticks, `;` or a space is refused when the grid is read (Snakemake's plan stops with the
+    key named, nothing runs); the overrides are quoted for the shell besides."""
+    import subprocess
+    import sys
+    from palu.pipeline.grid import Grid
+    from palu.pipeline.specs import shell_join
+    marker = tmp_path / "ran"
+    grid = yaml.safe_load((Path(CONF_DIR) / "grid" / "small.yaml").read_text())
+    node, *path, leaf = [grid, *key.split(".")]
+    for part in path:
+        node = node.setdefault(part, {})
+    node[leaf] = [v.format(marker=marker) for v in value] if isinstance(value, list) else value.format(marker=marker)
+    import re
+    with pytest.raises(ValueError, match=re.escape(f"grid.{key}") + ".*a grid value may hold only"):
+        Grid(grid)
+    conf = tmp_path / "grid.yaml"
+    conf.write_text(yaml.safe_dump(grid))
+    root = Path(CONF_DIR).resolve().parent
+    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "-n", "--configfile", str(conf)],
+                          cwd=root, capture_output=True, text=True)
+    assert proc.returncode != 0 and "a grid value may hold only" in proc.stdout + proc.stderr
+    assert not marker.exists()
+    assert shell_join(["data.corpus=$(touch x)", "a b", "zeroshot.tasks=[piqa,arc_easy]"]) == \
+        "'data.corpus=$(touch x)' 'a b' 'zeroshot.tasks=[piqa,arc_easy]'"

@@ -6,6 +6,7 @@ from pathlib import Path
 from palu.decompose.ranks import allocator_kind
 from palu.pipeline import naming
 from palu.pipeline.grid import Grid
+from palu.pipeline.specs import shell_join
 from palu.pipeline.tracking import check_tracking
 
 GRID = Grid(config)

@@ -35,7 +35,7 @@ rule ranks_uniform:
     log:
         log("ranks", "{name}"),
     params:
-        palu=lambda w: " ".join(ranks_spec(w).overrides()),
+        palu=lambda w: shell_join(ranks_spec(w).overrides()),
     shell:
         "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
@@ -51,7 +51,7 @@ rule ranks_fisher:
     log:
         log("ranks", "{name}"),
     params:
-        palu=lambda w: " ".join(ranks_spec(w).overrides()),
+        palu=lambda w: shell_join(ranks_spec(w).overrides()),
     shell:
         "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
@@ -73,7 +73,7 @@ rule ranks_probed:
     threads: threads_of("ranks_probed")
     resources: **needs("ranks_probed")
     params:
-        palu=lambda w: " ".join(ranks_spec(w).overrides()),
+        palu=lambda w: shell_join(ranks_spec(w).overrides()),
     shell:
         "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
@@ -94,7 +94,7 @@ rule decompose:
     threads: threads_of("decompose")
     resources: **needs("decompose")
     params:
-        palu=lambda w: " ".join(checkpoint_spec(w).overrides()),
+        palu=lambda w: shell_join(checkpoint_spec(w).overrides()),
     shell:
         "exec {PY} -m palu.pipeline.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
 

@@ -80,13 +80,14 @@ class QuantizedKV(CacheMethod):
         """`cache_nbytes` of a cache holding `tokens` tokens, from the formula."""
         geom, key_codec, value_codec = self._parts()
         sched, H, d = self.schedule(), geom.num_kv_heads, geom.head_dim
-        out = {"data": 0, "metadata": 0, "full_precision": 0}
+        out = {"data": 0, "metadata": 0, "full_precision": 0, "fixed": 0}
         for codec in (key_codec, value_codec):
             quantised = sched.quantised_end(tokens, codec.block) - min(tokens, sched.sink)
             part = codec.nbytes_for(quantised, batch, H, d)
+            fixed = sum(codec.layer_metadata_nbytes(i) for i in range(geom.num_layers))
             out["data"] += part["quantised"] * geom.num_layers
-            out["metadata"] += (part["metadata"] * geom.num_layers
-                                + sum(codec.layer_metadata_nbytes(i) for i in range(geom.num_layers)))
+            out["metadata"] += part["metadata"] * geom.num_layers + fixed
+            out["fixed"] += fixed
             out["full_precision"] += (tokens - quantised) * batch * H * d * element_size * geom.num_layers
         if self.pre_rope:
             out["metadata"] += batch * tokens * 4 * geom.num_layers   # int32 positions

@@ -11,6 +11,9 @@ from functools import cached_property
 from pathlib import Path
 from types import SimpleNamespace
 
+import re
+import shlex
+
 import yaml
 from omegaconf import OmegaConf
 
@@ -20,14 +23,34 @@ from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
 from palu.pipeline.config import CONF_DIR, CalibrationConfig, DataConfig
 from palu.pipeline.grid_sections import GridSections
-from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of
+from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of, shell_join
 
 _KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
          "memory", "quantization", "zeroshot", "longcontext", "resources", "factors",
          "recovery", "byte_budget"}
+# What a grid value may hold: it becomes a path component and a command-line argument of a
+# Snakemake `shell:` step, so nothing a shell reads (spaces, quotes, $, `, ;, |, &, <, >, (, ),
+# globs, backslashes) may pass.
+SHELL_SAFE = re.compile(r"[A-Za-z0-9._+=/,:@%~-]*")
 TABLES = ("baseline", "granularity", "rank_allocation", "latent_bits", "hadamard", "quantization", "factors",
           "recovery", "byte_budget")
+
+
+def check_shell_safe(node, where: str = "grid") -> None:
+    """Every key and string value of a grid is a plain token (`SHELL_SAFE`): a grid file is
+    untrusted input that reaches shell commands (issue 51, item 7)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            check_shell_safe(str(key), f"{where} key")
+            check_shell_safe(value, f"{where}.{key}")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            check_shell_safe(value, f"{where}[{i}]")
+    elif isinstance(node, str) and not SHELL_SAFE.fullmatch(node):
+        raise ValueError(f"{where}={node!r}: a grid value may hold only letters, digits and "
+                         "._+=/,:@%~- (it becomes a path and a command-line argument; no spaces, "
+                         "quotes or shell characters)")
 
 
 class Grid(GridSections):
@@ -41,6 +64,7 @@ class Grid(GridSections):
         unknown = set(config) - _KEYS
         if unknown:
             raise ValueError(f"unknown grid keys {sorted(unknown)}; allowed: {sorted(_KEYS)}")
+        check_shell_safe(config)
         self.config = config
         self.model = config["model"]
         self.work, self.results = config.get("work", "work"), config.get("results", "results")
@@ -106,10 +130,11 @@ class Grid(GridSections):
         """What every model step is given: the model, device, folders, the calibration, Fisher
         and evaluation-window settings, the rank multiple (each evaluation adds its corpus)."""
         data = {k: v for k, v in self.data.items() if k not in ("corpus", "path")}
-        return ([f"model={self.model}", f"tracking={self.tracking.mode}", f"device={self.device}",
-                 f"paths.work={self.work}", f"paths.results={self.results}"]
-                + hydra_overrides("calibration", self.calibration) + hydra_overrides("fisher", self.fisher)
-                + hydra_overrides("data", data) + [f"palu.rank_multiple={self.config['rank_multiple']}"])
+        return [shlex.quote(x) for x in
+                [f"model={self.model}", f"tracking={self.tracking.mode}", f"device={self.device}",
+                 f"paths.work={self.work}", f"paths.results={self.results}",
+                 *hydra_overrides("calibration", self.calibration), *hydra_overrides("fisher", self.fisher),
+                 *hydra_overrides("data", data), f"palu.rank_multiple={self.config['rank_multiple']}"]]
 
     def tables(self) -> list[str]:
         """The tables this grid makes: the baseline always, the others where it has their key."""
@@ -233,13 +258,13 @@ class Grid(GridSections):
         if spec is None:
             return "method=fp16"
         if isinstance(spec, KVQuantSpec):
-            return f"method=kvquant method.state={self.kvquant_state(spec)}"
+            return shell_join(["method=kvquant", f"method.state={self.kvquant_state(spec)}"])
         if isinstance(spec, dict):
-            return " ".join([f"method={spec['name']}"] +
-                            [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
+            return shell_join([f"method={spec['name']}"] +
+                              [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
         # the checkpoint's manifest says how it was made: no palu.* setting is restated
-        return " ".join([f"method={spec.method} method.checkpoint={self.checkpoint(spec)} method.bits={spec.bits}"]
-                        + spec.method_overrides())
+        return shell_join([f"method={spec.method}", f"method.checkpoint={self.checkpoint(spec)}",
+                           f"method.bits={spec.bits}"] + spec.method_overrides())
 
     def _run(self, run: str) -> PaluSpec | dict | None:
         runs = self.runs()
@@ -248,4 +273,4 @@ class Grid(GridSections):
         return runs[run]
 
     def decompose_overrides(self, spec: PaluSpec) -> str:
-        return " ".join(spec.overrides())
+        return shell_join(spec.overrides())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from palu.eval.suites import SUITES
 from palu.pipeline import naming
 from palu.pipeline.config import KVQuantConfig, RecoveryConfig, ZeroshotConfig
-from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of
+from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of, shell_join
 
 
 class GridSections:
@@ -58,7 +58,7 @@ class GridSections:
         return naming.recovery_tag(**self.recovery_settings())
 
     def recovery_overrides(self) -> str:
-        return " ".join(hydra_overrides("recovery", self.recovery_settings()))
+        return shell_join(hydra_overrides("recovery", self.recovery_settings()))
 
     def byte_budget_specs(self) -> list[PaluSpec]:
         """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, bits) the
@@ -176,8 +176,8 @@ class GridSections:
     def longcontext_overrides(self, tag: str) -> str:
         """The Hydra overrides of the suite whose result tag is `tag`."""
         name = self.longcontext_tags()[tag]
-        return " ".join([f"longcontext.suite={name}"]
-                        + hydra_overrides(f"longcontext.{name}", self.longcontext_suites()[name]))
+        return shell_join([f"longcontext.suite={name}"]
+                          + hydra_overrides(f"longcontext.{name}", self.longcontext_suites()[name]))
 
     def zeroshot_settings(self) -> dict:
         return settings_of(ZeroshotConfig, self.config["zeroshot"], "zeroshot",
@@ -194,7 +194,7 @@ class GridSections:
                                         self.dtype))
 
     def zeroshot_overrides(self) -> str:
-        return " ".join(hydra_overrides("zeroshot", self.zeroshot_settings()))
+        return shell_join(hydra_overrides("zeroshot", self.zeroshot_settings()))
 
     def kvquant_specs(self) -> list[KVQuantSpec]:
         k = (self.config.get("quantization") or {}).get("kvquant")
@@ -223,7 +223,7 @@ class GridSections:
         return settings
 
     def kvquant_overrides(self, spec: KVQuantSpec) -> str:
-        return " ".join(hydra_overrides("kvquant", self.kvquant_settings(spec)))
+        return shell_join(hydra_overrides("kvquant", self.kvquant_settings(spec)))
 
     def kvquant_states(self) -> dict[str, KVQuantSpec]:
         """Every fitted state the grid needs, by its tag (the fit_kvquant rule's wildcard)."""

@@ -1,6 +1,8 @@
 """Artifact paths named by their parameters: a path says what it holds (one source for CLI and DAG)."""
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from palu.decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag
@@ -98,9 +100,28 @@ def kvquant_dir(work: str, model: str, ktag: str, state: str) -> Path:
     return Path(work) / "kvquant" / model / ktag / state
 
 
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+
+
+class UnsafeNameError(ValueError):
+    """A name that would become a path component is not a plain name."""
+
+
+def safe_name(name, what: str) -> str:
+    """`name` if it is one plain path component (letters, digits, `._+=-`, not starting with a
+    dot: no separator, no `..`, nothing a shell reads), else UnsafeNameError naming it. Names read
+    from artifacts (a checkpoint manifest's tag, its lineage) are untrusted: the manifest's seal is
+    an unkeyed sha256 that anyone who edits it can recompute."""
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or len(name) > 200:
+        raise UnsafeNameError(f"{what} {name!r} is not a plain name (letters, digits and ._+=- only, "
+                              "not starting with '.'): refused as a path component")
+    return name
+
+
 def run_name(method_tag: str, lineage: tuple[str, ...] = ()) -> str:
-    """A run's folder under results/runs/<model>/: the method's tag, then what it was made from."""
-    return "/".join((method_tag, *lineage))
+    """A run's folder under results/runs/<model>/: the method's tag, then what it was made from
+    (each a plain name: a tag or lineage read from a manifest is checked here)."""
+    return "/".join([safe_name(method_tag, "method tag"), *(safe_name(x, "lineage") for x in lineage)])
 
 
 def evaluation_tag(corpus: str, seqlen: int | str, max_tokens: int | str | None, dtype: str,

@@ -44,13 +44,16 @@ def _value(v) -> str:
 
 
 def hydra_overrides(group: str, settings: dict) -> list[str]:
-    """`group.key=value` for every setting (lists quoted for the shell), in key order: the
-    grid's key order is no setting."""
-    out = []
-    for key, value in sorted(settings.items()):
-        item = f"{group}.{key}={_value(value)}"
-        out.append(f"'{item}'" if isinstance(value, (list, tuple)) else item)
-    return out
+    """`group.key=value` for every setting, in key order (the grid's key order is no setting),
+    unquoted: `shell_join` quotes them for a `shell:` command."""
+    return [f"{group}.{key}={_value(value)}" for key, value in sorted(settings.items())]
+
+
+def shell_join(items: list[str]) -> str:
+    """Command-line arguments for a Snakemake `shell:` step, each quoted for the shell (a grid
+    value with a space or `$(...)` stays one literal argument)."""
+    import shlex
+    return " ".join(shlex.quote(x) for x in items)
 
 
 @dataclass(frozen=True)
