@@ -21,20 +21,37 @@ def _as_created(path: Path, directory: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it is renamed to `target`."""
+def atomic_dir(target: str | Path, marker: str) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it is renamed to `target`. An existing
+    `target` is replaced only when it is an artifact of the same kind (it holds `marker`, the
+    file every such artifact writes) or empty: a save never deletes a folder of other files
+    (FileExistsError naming them, before any work and before anything is written)."""
     target = Path(target)
+    _check_replaceable(target, marker)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
         _as_created(tmp, directory=True)
         if target.exists():
+            _check_replaceable(target, marker)
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_replaceable(target: Path, marker: str) -> None:
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(f"{target} exists and is not a folder: refusing to replace it")
+    if not target.exists() or (target / marker).is_file():
+        return
+    held = sorted(p.name for p in target.iterdir())
+    if held:
+        raise FileExistsError(f"{target} holds {len(held)} file(s) of something else "
+                              f"({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}), no {marker}: "
+                              "saving there would delete them; choose a new or empty folder")
 
 
 @contextlib.contextmanager

@@ -169,3 +169,24 @@ def test_a_resealed_manifest_whose_tag_is_a_path_is_refused_as_a_name(checkpoint
         naming.metrics_path(str(tmp_path / "results"), "m", naming.run_name(method.tag), "wiki", 64, None)
     assert naming.run_name("palu-whitened-uniform-k0.5-g1-b4", ("c-wiki_standin-n24",)) == \
         "palu-whitened-uniform-k0.5-g1-b4/c-wiki_standin-n24"
+
+
+def test_a_save_never_deletes_a_folder_of_other_files(tmp_path):
+    """Issue 51, item 8: a Palu checkpoint or a KVQuant state saved into a folder holding the
+    user's files is refused (the files stay); over an artifact of its kind, or into an empty
+    folder, it is saved."""
+    result = palu.compress(tiny_llama(0), CALIB, kept_ratio=0.5, group_size=1, progress=False)
+    state = fit_kvquant(tiny_llama(0), CALIB, bits=3, weighting="uniform", tokens_per_window=16, progress=False)
+    for save, name in ((result.save, "ckpt"), (state.save, "state")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "thesis.tex").write_text("years of work")
+        with pytest.raises(FileExistsError, match=r"thesis.tex.*would delete them"):
+            save(folder)
+        assert (folder / "thesis.tex").read_text() == "years of work"
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []   # no leftovers
+        (folder / "thesis.tex").unlink()
+        save(folder)                                  # empty: saved
+        save(folder)                                  # its own kind: replaced
+        assert (folder / "manifest.json").is_file()
+    build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt")}).tag

@@ -69,7 +69,7 @@ def save_compressed(out_dir: str | Path, factors: list[LayerFactors], manifest: 
                                      f"them as decompose_model returns them ({SAVED_DTYPES})")
                 tensors[f"layers.{l}.{kind}.{g}.A"] = A.contiguous()
                 tensors[f"layers.{l}.{kind}.{g}.B"] = B.contiguous()
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "manifest.json") as tmp:
         save_file(tensors, str(tmp / FACTORS))
         # sealed: an edited setting (kept ratio, group size, tag) is refused when read
         write_json(tmp / "manifest.json", seal({**manifest, "format_version": FORMAT_VERSION,

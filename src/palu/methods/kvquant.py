@@ -68,7 +68,7 @@ class KVQuantState:
         return state_tag(self.bits, self.weighting, self.outlier_fraction)
 
     def save(self, path: str | Path) -> None:
-        with atomic_dir(path) as tmp:
+        with atomic_dir(path, "manifest.json") as tmp:
             save_file({"key_codebooks": self.key_codebooks, "value_codebooks": self.value_codebooks,
                        "channel_offset": self.channel_offset, "channel_scale": self.channel_scale},
                       str(tmp / "state.safetensors"))

@@ -283,7 +283,7 @@ def prepare_model(model_id: str, out_dir: str | Path) -> Path:
     # fp16 model copied as float32 doubled its disk and host memory: 27 GB, and 54 GB while the
     # copy is checked)
     model, tok = load_model(model_id, dtype="float32" if resolve_source(model_id).kind == "gguf" else "auto")
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, "palu_source.json") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _save_tokenizer(tok, tmp)
         (tmp / "palu_source.json").write_text(json.dumps({"model_id": model_id}, indent=2))
