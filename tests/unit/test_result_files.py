@@ -15,7 +15,7 @@ def test_atomic_files_and_folders_follow_the_umask(tmp_path):
     try:
         write_json(tmp_path / "r.json", {"ppl": 1.5})
         write_text(tmp_path / "t.md", "x")
-        with atomic_dir(tmp_path / "ckpt") as d:
+        with atomic_dir(tmp_path / "ckpt", "f") as d:
             (d / "f").write_text("y")
         assert _mode(tmp_path / "r.json") == 0o644 and _mode(tmp_path / "t.md") == 0o644
         assert _mode(tmp_path / "ckpt") == 0o755
