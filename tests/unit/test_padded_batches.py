@@ -168,3 +168,23 @@ def test_perplexity_windows_in_a_batch_score_as_one_at_a_time(base, paths, name,
     one, three = runs[0]["cache_nbytes"], runs[1]["cache_nbytes"]
     assert one.keys() == three.keys() and all(
         abs(one[k] - three[k]) <= 1e-9 * max(1, abs(one[k])) for k in one if not isinstance(one[k], bool)), (one, three)
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, v in VARIANTS if v is not None])
+def test_generate_without_the_methods_cache_gives_its_answer_or_is_refused(base, paths, name, variant):
+    """Issue 51, item 3: `generate(use_cache=False)` (or a forward with no cache) on a model with a
+    method installed gives what generating through the method's cache gives (per-token and
+    one-pass methods: each step's fresh cache holds what the real one would), or is refused by
+    name (4-bit Palu would run 16-bit; eviction / selection would evict nothing)."""
+    method, model = _installed(base, paths, name, variant)
+    prompt = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        through = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD,
+                                 past_key_values=method.make_cache(model))
+        try:
+            without = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD, use_cache=False)
+        except ValueError as err:
+            assert "make_cache" in str(err), str(err)
+            assert (name.startswith("palu") and method.bits != 16) or not method.one_pass, str(err)
+            return
+    assert torch.equal(without, through), variant

@@ -48,6 +48,10 @@ class FullHeads(nn.Module):
         """The method's own cache for this step: a fresh one without a cache (the model never
         runs without the method), a TypeError for any other Cache (another method's included)."""
         if cache is None:
+            if not self.method.one_pass:   # a fresh cache every step would evict or select nothing
+                raise ValueError(f"{self.method.tag} evicts or selects tokens through its cache: a "
+                                 "forward without it (use_cache=False, or no past_key_values) would be "
+                                 "the full model's; pass past_key_values=method.make_cache(model)")
             return self.method.make_cache_for(self.geom.num_layers)
         if not isinstance(cache, kind) or cache.owner != self.method.tag:
             raise TypeError(f"{self.method.tag} attention cannot use a {type(cache).__name__}: it "

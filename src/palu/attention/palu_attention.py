@@ -270,6 +270,10 @@ class PaluAttention(nn.Module):
             k, v = cache.update(hk.unsqueeze(1), hv.unsqueeze(1), self.layer_idx)
             return TensorLatents(k.squeeze(1), v.squeeze(1),
                                  torch.arange(k.shape[-2], device=device)[None], cached=True)
+        if getattr(self, "requires_cache", None):
+            raise ValueError(f"{self.requires_cache}: a forward without its cache (use_cache=False, "
+                             "or no past_key_values) would run it as 16-bit Palu with every token; "
+                             "pass past_key_values=method.make_cache(model) (or method= to evaluate_text)")
         if position_ids is None:
             position_ids = torch.arange(T, device=device)[None]
         return TensorLatents(hk, hv, position_ids, cached=False)

@@ -85,6 +85,14 @@ class Palu(CacheMethod):
     def install(self, model) -> None:
         self._manifest = load_compressed(model, self.checkpoint)
         self.layer_bits()    # a bad bits setting fails before any evaluation
+        # without its cache the model would run unquantised latents, or no eviction / selection,
+        # under this method's name (issue 51, item 3): such a forward is refused by the layers
+        if self.bits != 16 or not self.one_pass:
+            from ..cache.protocol import palu_layers
+            why = (f"{self.tag} stores {self.bits}-bit latents" if self.one_pass else
+                   f"{self.tag} evicts or selects tokens through its cache")
+            for layer in palu_layers(model).values():
+                layer.requires_cache = why
 
     def make_cache(self, model):
         widths = self.layer_bits()
