@@ -300,3 +300,22 @@ def test_a_grid_value_that_a_shell_would_read_is_refused_before_any_job(tmp_path
     assert not marker.exists()
     assert shell_join(["data.corpus=$(touch x)", "a b", "zeroshot.tasks=[piqa,arc_easy]"]) == \
         "'data.corpus=$(touch x)' 'a b' 'zeroshot.tasks=[piqa,arc_easy]'"
+
+
+def test_batch_sizes_reach_the_steps_only_where_a_grid_sets_them():
+    """A batch size says how a step runs, not what it computes: a grid without one gives no job a
+    new parameter (Snakemake would rerun every job whose params changed); one that sets it passes
+    it to the steps (evaluate: eval.batch_size, zeroshot, longcontext)."""
+    from palu.pipeline.grid import Grid
+    grid = yaml.safe_load((Path(CONF_DIR) / "grid" / "default.yaml").read_text())
+    plain = Grid(grid)
+    assert not any("batch_size" in x for x in plain.common_overrides())
+    assert "batch_size" not in plain.zeroshot_overrides()
+    assert all("batch_size" not in plain.longcontext_overrides(t) for t in plain.longcontext_tags())
+    grid["eval"]["batch_size"] = 16
+    grid["zeroshot"]["batch_size"] = "auto"
+    grid["longcontext"]["batch_size"] = 64
+    batched = Grid(grid)
+    assert "data.batch_size=16" in batched.common_overrides()
+    assert "zeroshot.batch_size=auto" in batched.zeroshot_overrides()
+    assert all("longcontext.batch_size=64" in batched.longcontext_overrides(t) for t in batched.longcontext_tags())

@@ -176,7 +176,9 @@ class GridSections:
     def longcontext_overrides(self, tag: str) -> str:
         """The Hydra overrides of the suite whose result tag is `tag`."""
         name = self.longcontext_tags()[tag]
+        batch = (self.config.get("longcontext") or {}).get("batch_size")   # how, not what: only if set
         return shell_join([f"longcontext.suite={name}"]
+                          + ([] if batch is None else [f"longcontext.batch_size={batch}"])
                           + hydra_overrides(f"longcontext.{name}", self.longcontext_suites()[name]))
 
     def zeroshot_settings(self) -> dict:

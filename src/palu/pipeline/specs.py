@@ -21,16 +21,22 @@ def defaults_of(schema) -> dict:
             for f in dataclasses.fields(schema) if f.init}
 
 
+# How a step runs, not what it computes (batch sizes: a batch gives each row what it gives alone):
+# passed on only where a grid sets them, so adding one changes no existing job's parameters.
+EXECUTION_KEYS = ("batch_size",)
+
+
 def settings_of(schema, given: dict | None, where: str, drop: tuple[str, ...] = ()) -> dict:
-    """`given` (a grid section) over `schema`'s defaults; `drop`: keys of the section that are the
-    grid's own (run lists, corpora), not settings of the step."""
+    """`given` (a grid section) over `schema`'s defaults, execution settings (`EXECUTION_KEYS`)
+    only where given; `drop`: keys of the section that are the grid's own (run lists, corpora),
+    not settings of the step."""
     defaults = defaults_of(schema)
     given = {k: v for k, v in (given or {}).items() if k not in drop}
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ValueError(f"grid {where} has unknown keys {unknown}; its settings: {sorted(defaults)}"
                          + (f" (and the grid's own {sorted(drop)})" if drop else ""))
-    return {**defaults, **given}
+    return {**{k: v for k, v in defaults.items() if k not in EXECUTION_KEYS}, **given}
 
 
 def _value(v) -> str:
