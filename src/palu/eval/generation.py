@@ -83,10 +83,11 @@ def resolve_batch_size(batch_size, model) -> int:
     return batch_size
 
 
-def eos_ids(model, tokenizer) -> set[int]:
+def eos_ids(model) -> set[int]:
+    """The ids `generate` stops a row at (the generation config's): a row of a batch is cut at
+    its first, which is where it would have stopped alone."""
     eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return set(eos) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 @torch.no_grad()
@@ -105,7 +106,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
-    stop = eos_ids(model, tokenizer)
+    stop = eos_ids(model)
     rows = []
     for row, p in enumerate(prompts):
         end = next((k + 1 for k, t in enumerate(new[row]) if t in stop), len(new[row]))
