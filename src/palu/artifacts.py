@@ -130,6 +130,27 @@ def unseal(record: dict, what: str) -> dict:
     return {k: v for k, v in record.items() if k != "integrity"}
 
 
+def check_finite(tensors: dict, what: str) -> None:
+    """ValueError naming the first tensor of `tensors` (name -> tensor) holding NaN or inf: such
+    a factor or statistic would install and turn every logit after it non-finite."""
+    import torch
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{what}: tensor {name!r} holds {bad} non-finite value(s) (NaN / inf)")
+
+
+def tensors_sha256(tensors: dict) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    import torch
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

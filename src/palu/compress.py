@@ -151,6 +151,9 @@ def compress(model, calibration: torch.Tensor | None, kept_ratio: float = 0.5, g
         if w is not None:
             check_seqlen(model.config, w.shape[-1], name)
     base_hash = source_hash(model)
+    if grams is not None:
+        from .artifacts import check_finite
+        check_finite({f"grams[{i}]": g for i, g in enumerate(grams)}, "compress(grams=...)")
     if decomposition in NEEDS_GRAM and grams is None:
         if calibration is None:
             raise ValueError(f"{decomposition} decomposition needs calibration windows or precomputed grams")

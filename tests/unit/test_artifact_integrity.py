@@ -190,3 +190,43 @@ def test_a_save_never_deletes_a_folder_of_other_files(tmp_path):
         save(folder)                                  # its own kind: replaced
         assert (folder / "manifest.json").is_file()
     build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt")}).tag
+
+
+def test_non_finite_factors_and_statistics_are_refused_at_save_and_load(tmp_path, checkpoint):
+    """Issue 51, item 9: a NaN / inf factor would install and make every logit after it
+    non-finite; statistics' tensor bytes are sealed with their metadata."""
+    from safetensors.torch import load_file, save_file
+    from palu.artifacts import IntegrityError, sha256_file
+    # a factor edited to NaN, its manifest resealed with the new file's sha256: refused at install
+    tensors = load_file(str(checkpoint / "factors.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(checkpoint / "factors.safetensors"))
+    _edit(checkpoint / "manifest.json",
+          lambda m: m["files"].update({"factors.safetensors": sha256_file(checkpoint / "factors.safetensors")}),
+          reseal=True)
+    with pytest.raises(CheckpointError, match=r"non-finite"):
+        palu.load_compressed(tiny_llama(0), checkpoint)
+    # a result holding a non-finite factor is not saved
+    result = palu.compress(tiny_llama(0), CALIB, kept_ratio=0.5, group_size=1, progress=False)
+    result.factors[0].B_v[0][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        result.save(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    # grams with inf: named before any linear algebra
+    from palu.calib.gram import collect_grams
+    g = collect_grams(tiny_llama(0), CALIB, progress=False)["gram"]
+    g[1, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"grams\[1\].*non-finite"):
+        palu.compress(tiny_llama(0), None, kept_ratio=0.5, group_size=1, grams=g, progress=False)
+    # statistics: NaN refused at save; tensor bytes changed under intact metadata refused at load
+    model = tiny_llama(0)
+    with pytest.raises(ValueError, match="non-finite"):
+        save_stats(tmp_path / "nan.safetensors", {"gram": torch.full((2, 2), float("nan"))}, {}, model)
+    save_stats(tmp_path / "g.safetensors", {"gram": torch.eye(3)}, {"tokens": 5}, model)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "g.safetensors"), "pt") as f:
+        meta = f.metadata()
+    save_file({"gram": 2 * torch.eye(3)}, str(tmp_path / "g.safetensors"), metadata=meta)
+    with pytest.raises(IntegrityError, match="tensors were changed"):
+        load_stats(tmp_path / "g.safetensors", "Gram")

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..artifacts import atomic_path, seal, unseal
+from ..artifacts import IntegrityError, atomic_path, check_finite, seal, tensors_sha256, unseal
 
 
 class StatisticsMismatchError(ValueError):
@@ -28,10 +28,12 @@ def model_identity(model) -> dict:
 
 
 def save_stats(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, model) -> None:
-    record = seal({**meta, "model": model_identity(model)})
+    """Refuses non-finite statistics; the seal covers the tensors' bytes too."""
+    tensors = {k: v.cpu().contiguous() for k, v in tensors.items()}
+    check_finite(tensors, f"statistics for {path}")
+    record = seal({**meta, "model": model_identity(model), "tensors_sha256": tensors_sha256(tensors)})
     with atomic_path(path) as tmp:
-        save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata={"palu": json.dumps(record, sort_keys=True)})
+        save_file(tensors, str(tmp), metadata={"palu": json.dumps(record, sort_keys=True)})
 
 
 def load_stats(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -41,10 +43,18 @@ def load_stats(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], di
         raw = (f.metadata() or {}).get("palu")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     if raw is None:
-        from ..artifacts import IntegrityError
         raise IntegrityError(f"{what} {path} has no sealed metadata (written by an older palu): "
                              "run its step again")
-    return tensors, unseal(json.loads(raw), f"{what} {path}")
+    meta = unseal(json.loads(raw), f"{what} {path}")
+    # files of earlier versions sealed their metadata only; theirs are checked for finiteness alone
+    if "tensors_sha256" in meta and tensors_sha256(tensors) != meta["tensors_sha256"]:
+        raise IntegrityError(f"{what} {path}: its tensors were changed after it was written "
+                             "(their sha256 differs from the sealed one): run its step again")
+    try:
+        check_finite(tensors, f"{what} {path}")
+    except ValueError as err:
+        raise IntegrityError(str(err)) from None
+    return tensors, meta
 
 
 def check_model(meta: dict, config, model_hash: str | None = None, what: str = "statistics") -> None:

@@ -14,7 +14,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..attention.install import install_palu
-from ..artifacts import IntegrityError, atomic_dir, read_json, seal, sha256_file, unseal, write_json
+from ..artifacts import (IntegrityError, atomic_dir, check_finite, read_json, seal, sha256_file, unseal,
+                         write_json)
 from ..models.adapters import adapter_for, geometry_of
 from .factors import LayerFactors
 from .ranks import check_allocation, ranks_table
@@ -69,6 +70,7 @@ def save_compressed(out_dir: str | Path, factors: list[LayerFactors], manifest: 
                                      f"them as decompose_model returns them ({SAVED_DTYPES})")
                 tensors[f"layers.{l}.{kind}.{g}.A"] = A.contiguous()
                 tensors[f"layers.{l}.{kind}.{g}.B"] = B.contiguous()
+    check_finite(tensors, f"Palu factors for {out_dir}")
     with atomic_dir(out_dir, "manifest.json") as tmp:
         save_file(tensors, str(tmp / FACTORS))
         # sealed: an edited setting (kept ratio, group size, tag) is refused when read
@@ -161,6 +163,12 @@ def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
         raise CheckpointError(f"checkpoint {path}: {err}") from None
     factors = load_factors(path, geom.num_layers, n_groups)
     check_factors(path, factors, manifest["allocation"], geom)
+    try:
+        check_finite({f"layers.{l}.{kind}.{g}.{ab}": t for l, lf in enumerate(factors) for kind in "kv"
+                      for ab in "AB" for g, t in enumerate(getattr(lf, f"{ab}_{kind}"))},
+                     f"checkpoint {path}")
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     if manifest.get("head_order"):        # the factors are in the reordered heads' order
         from .heads import reorder_heads
         reorder_heads(model, manifest["head_order"])
