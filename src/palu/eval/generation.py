@@ -107,22 +107,22 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
     stop = eos_ids(model)
+    held = None if cache is None else method.cache_nbytes(cache)   # once per batch
     rows = []
     for row, p in enumerate(prompts):
         end = next((k + 1 for k, t in enumerate(new[row]) if t in stop), len(new[row]))
         rows.append((tokenizer.decode(new[row][:end], skip_special_tokens=True),
-                     _row_bytes(method, cache, len(p) + end - 1, len(prompts), out.shape[1] - 1)))
+                     _row_bytes(held, len(p) + end - 1, len(prompts), out.shape[1] - 1)))
     return rows
 
 
-def _row_bytes(method, cache, tokens: int, batch: int, slots: int) -> dict | None:
-    """A row's share of the batch cache's bytes: what does not grow with the tokens (`fixed`:
+def _row_bytes(n: dict | None, tokens: int, batch: int, slots: int) -> dict | None:
+    """A row's share of the batch cache's bytes `n` (`method.cache_nbytes`): what does not grow with the tokens (`fixed`:
     per-layer codebooks), and its `tokens` of the batch x `slots` tokens stored of the rest.
     Exact for the caches that serve padded batches (every other byte belongs to one token of one
     row; the tests check it against batch 1); at batch 1, the cache's own count."""
-    if cache is None:
+    if n is None:
         return None
-    n = method.cache_nbytes(cache)
     fixed, share = n.get("fixed", 0), tokens / (batch * slots)
     stored, read = n["total"], n.get("read_per_step", n["total"])
     if batch > 1 or tokens != slots:
