@@ -246,10 +246,11 @@ def test_generate_runs_through_every_baselines_cache(family, kvquant_states):
 def test_the_attention_refuses_a_cache_that_is_not_its_methods(kvquant_states):
     method, model = _installed("llama", {"name": "atom", "bits": 4})
     other = build_method({"name": "atom", "bits": 2})
-    other.install(copy.deepcopy(FAMILIES["llama"](0)))
+    other_model = copy.deepcopy(FAMILIES["llama"](0))
+    other.install(other_model)
     ids = torch.randint(0, 97, (1, 5))
     from transformers import DynamicCache
-    for cache in (DynamicCache(), other.make_cache(model)):
+    for cache in (DynamicCache(), other.make_cache(other_model)):
         with pytest.raises(TypeError, match="method.make_cache"):
             model(ids, past_key_values=cache, use_cache=True)
     with pytest.raises(TypeError, match="method.make_cache"):

@@ -160,6 +160,13 @@ class PaluAttention(nn.Module):
             if self.geom.rope:
                 cos, sin = position_embeddings
                 q = apply_rope(q, cos, sin)
+        if (self.selection is not None and T > 1 and past_key_values is not None
+                and past_key_values.get_seq_length(self.layer_idx) > 0):
+            raise ValueError("Palu latent-space selection chooses tokens for one-token decode steps: "
+                             f"a {T}-token step after the prefill (assisted or prompt-lookup decoding "
+                             "verifies drafted tokens so; a prompt prefilled in chunks) would attend to "
+                             "every cached token. Prefill the prompt in one forward and decode one "
+                             "token a step (no assistant_model / prompt_lookup_num_tokens)")
         evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
         if evicting or self.selection is not None:
             from .subset_attention import _check_unpadded

@@ -39,6 +39,10 @@ class SubsetPolicy:
         selection, Quest); None reads every kept token."""
         return None
 
+    def map_rows(self, layer: int, fn) -> None:
+        """Apply `fn` (a reordering, repetition or selection of the batch axis, dim 0) to any state
+        the policy holds per row of `layer` (H2O's accumulated scores); default: none held."""
+
 
 class _SubsetLayer(CacheLayerMixin):
     is_sliding = False
@@ -70,6 +74,21 @@ class _SubsetLayer(CacheLayerMixin):
         raise TypeError("a token-subset cache cannot crop (assisted or prompt-lookup decoding): "
                         "decode without an assistant")
 
+    def map_rows(self, fn) -> None:
+        """Beam search and batch edits move a row's keys, values and positions together (the
+        positions differ per row once a policy has evicted by attention)."""
+        if self.keys is not None:
+            self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self.map_rows(lambda t: t[indices])
+
 
 class SubsetKVCache(Cache):
     """The kept keys / values / positions per layer, and how many tokens each layer has seen."""
@@ -77,6 +96,21 @@ class SubsetKVCache(Cache):
     def __init__(self, policy: SubsetPolicy, num_layers: int, owner: str):
         super().__init__(layers=[_SubsetLayer() for _ in range(num_layers)])
         self.policy, self.owner = policy, owner
+
+    def _map_rows(self, fn) -> None:
+        for i, lay in enumerate(self.layers):
+            lay.map_rows(fn)
+            self.policy.map_rows(i, fn)
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Beam search: every layer's rows and the policy's per-row state follow `beam_idx`."""
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self._map_rows(lambda t: t[indices])
 
     def held(self, layer: int):
         lay = self.layers[layer]

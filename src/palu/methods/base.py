@@ -14,6 +14,8 @@ generation and the tables only use this contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from typing import Any, ClassVar
 
 REGISTRY: dict[str, type["CacheMethod"]] = {}
@@ -37,6 +39,10 @@ class CacheMethod:
     # method that sets it is held to it by tests/unit/test_padded_batches.py; the others refuse
     # a padded batch by name.
     padded_batches: ClassVar[bool] = False
+    # Whether `install` changes the model (its attention, its factors). A method object that does
+    # belongs to the one model it was installed on: its per-model state (layer budgets, loaded
+    # factors, codecs) is read by that model's layers (`_guard_install`, `_guard_make_cache`).
+    changes_model: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -45,6 +51,11 @@ class CacheMethod:
                 raise MethodError(f"two methods are named {cls.name!r}: "
                                   f"{REGISTRY[cls.name].__module__} and {cls.__module__}")
             REGISTRY[cls.name] = cls
+        # every install / make_cache a subclass writes is checked the same way (issue 51, item 4)
+        if "install" in cls.__dict__:
+            cls.install = _guard_install(cls.__dict__["install"])
+        if "make_cache" in cls.__dict__:
+            cls.make_cache = _guard_make_cache(cls.__dict__["make_cache"])
 
     def __post_init__(self) -> None:
         self.check()
@@ -87,6 +98,66 @@ class CacheMethod:
         """What a result file stores about the method: its config and anything it loaded."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         return {"name": self.name, **fields}
+
+
+INSTALLED = "_palu_method"   # the model attribute naming the method installed on it
+
+
+def installed_method(model) -> "CacheMethod | None":
+    """The method object installed on `model` (None: none, or only `palu.compress`'s factors)."""
+    return getattr(model, INSTALLED, None)
+
+
+def _same_method(a, b) -> bool:
+    # a deep copy of an installed model carries a copy of its method: the same settings serve it
+    return a is b or (type(a) is type(b) and a.tag == b.tag)
+
+
+def _guard_install(install):
+    """One model per method object, one method per model: a method object installed on a second
+    model would change the state the first model's layers read (a PyramidKV's layer budgets,
+    say), and a method installed over another would run a mixture of the two."""
+    @functools.wraps(install)
+    def guarded(self, model):
+        home = getattr(self, "_installed_on", None)
+        home = home() if home is not None else None
+        if home is not None and home is not model:
+            raise MethodError(f"{self.name}: this method object is installed on another model already, "
+                              "and its per-model state serves that model's layers; build one method "
+                              "object per model (build_method(config), or dataclasses.replace(method))")
+        present = installed_method(model)
+        if present is self:
+            raise MethodError(f"{self.name}: this method is installed on the model already")
+        if present is not None:
+            raise MethodError(f"{self.name}: the model has {present.name} installed already; methods "
+                              "do not stack by installing one over another (the compositions that "
+                              "exist are methods of their own: palu_snapkv, kivi_snapkv); load a fresh "
+                              "model")
+        if any(getattr(m, "stores_latents", False) for m in model.modules()):
+            raise MethodError(f"{self.name}: the model carries Palu's factorised attention "
+                              "(palu.compress / load_compressed); install on a fresh model")
+        install(self, model)
+        if self.changes_model:
+            self._installed_on = weakref.ref(model)
+            setattr(model, INSTALLED, self)
+    return guarded
+
+
+def _guard_make_cache(make_cache):
+    @functools.wraps(make_cache)
+    def guarded(self, model):
+        present = installed_method(model)
+        if self.changes_model and present is None:
+            raise MethodError(f"{self.name}: method.install(model) before method.make_cache(model); "
+                              "the cache is read by the attention the method installs")
+        if present is not None and not _same_method(present, self):
+            raise MethodError(f"{self.tag}: the model has {present.tag} installed, not this method; "
+                              "make caches with the method installed on the model")
+        return make_cache(self, model)
+    return guarded
+
+
+CacheMethod.install = _guard_install(CacheMethod.install)   # a method that installs nothing too
 
 
 def check_int(value, key: str, minimum: int = 1) -> None:

@@ -11,6 +11,7 @@ class FullCache(CacheMethod):
     """Full-precision keys and values ("FP16" in the paper's tables; the model's dtype here)."""
     name = "fp16"
     padded_batches = True   # a dynamic cache: per token, per row
+    changes_model = False    # nothing installed: the model's own attention
 
     @property
     def tag(self) -> str:

@@ -41,6 +41,10 @@ class H2OPolicy(SubsetPolicy):
         self.scores[layer] = total.gather(-1, keep)
         return keep
 
+    def map_rows(self, layer, fn):
+        if layer in self.scores:
+            self.scores[layer] = fn(self.scores[layer])
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.scores.values())
 

@@ -1,0 +1,134 @@
+"""Caches used the ways transformers allows (issue 51, items 2, 4 and 5): assisted decoding with
+latent-space selection, one method object on two models or two methods on one model, and beam
+search through the eviction caches. Each test failed on the main of before."""
+import copy
+
+import pytest
+import torch
+
+import palu
+from palu.methods import build_method
+from palu.methods.base import MethodError
+from tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_llama(0).double()
+
+
+@pytest.fixture(scope="module")
+def ckpt(base, tmp_path_factory):
+    calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(3))
+    path = tmp_path_factory.mktemp("palu") / "ckpt"
+    palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=2, progress=False).save(path)
+    return str(path)
+
+
+def _ids(n, seed, rows=1):
+    return torch.randint(1, 97, (rows, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- 2. selection and assisted decoding ------------------------------------------------------
+@pytest.mark.parametrize("how", ["prompt_lookup", "assistant"])
+def test_latent_selection_refuses_the_multi_token_steps_of_assisted_decoding(base, ckpt, how):
+    model = copy.deepcopy(base)
+    method = build_method({"name": "palu_select", "checkpoint": ckpt, "tokens": 4, "window": 2})
+    method.install(model)
+    extra = ({"prompt_lookup_num_tokens": 3} if how == "prompt_lookup"
+             else {"assistant_model": copy.deepcopy(base)})
+    with pytest.raises(ValueError, match="one-token decode steps.*assisted or prompt-lookup"):
+        model.generate(_ids(20, 1), max_new_tokens=8, do_sample=False,
+                       past_key_values=method.make_cache(model), **extra)
+    # plain greedy decoding still runs (prefill in one forward, then one token a step)
+    out = model.generate(_ids(20, 1), max_new_tokens=4, do_sample=False, past_key_values=method.make_cache(model))
+    assert out.shape == (1, 24)
+
+
+# ---- 4. a method object belongs to one model -------------------------------------------------
+def test_one_method_object_is_not_installed_on_a_second_model(base):
+    method = build_method({"name": "pyramidkv", "compression_ratio": 0.5, "window": 2, "kernel": 1})
+    first, second = copy.deepcopy(base), tiny_llama(1, layers=4).double()
+    method.install(first)
+    budgets = [method.policy.budget(layer, 20) for layer in range(2)]
+    with pytest.raises(MethodError, match="installed on another model"):
+        method.install(second)
+    assert [method.policy.budget(layer, 20) for layer in range(2)] == budgets   # first model's, unchanged
+    with pytest.raises(MethodError, match="install\\(model\\) before"):
+        method.make_cache(second)
+    import dataclasses
+    dataclasses.replace(method).install(second)                                # a fresh object: fine
+
+
+@pytest.mark.parametrize("first,second", [("snapkv", "palu"), ("h2o", "palu_select"), ("kivi", "fp16"),
+                                          ("palu", "snapkv"), ("atom", "kivi"), ("palu", "palu")])
+def test_methods_do_not_stack_by_installing_one_over_another(base, ckpt, first, second):
+    confs = {"snapkv": {"compression_ratio": 0.5, "window": 2, "kernel": 1}, "palu": {"checkpoint": ckpt},
+             "h2o": {"budget": 6, "window": 2}, "palu_select": {"checkpoint": ckpt}, "kivi": {"bits": 2, "group": 4, "residual": 4},
+             "fp16": {}, "atom": {"bits": 4}}
+    model = copy.deepcopy(base)
+    build_method({"name": first, **confs[first]}).install(model)
+    with pytest.raises(MethodError, match="installed already|factorised attention"):
+        build_method({"name": second, **confs[second]}).install(model)
+
+
+def test_a_cache_is_made_for_the_model_its_method_is_installed_on(base, ckpt):
+    model = copy.deepcopy(base)
+    palu.load_compressed(model, ckpt)                       # the library's own install: no method
+    with pytest.raises(MethodError, match="factorised attention"):
+        build_method({"name": "snapkv"}).install(model)
+    installed = copy.deepcopy(base)
+    method = build_method({"name": "h2o", "budget": 6, "window": 2})
+    method.install(installed)
+    with pytest.raises(MethodError, match="has h2o-n6-w2 installed"):
+        build_method({"name": "fp16"}).make_cache(installed)
+    clone = copy.deepcopy(installed)                        # a copy carries its method's settings
+    assert clone(_ids(5, 0), past_key_values=method.make_cache(clone)).logits.isfinite().all()
+
+
+# ---- 5. beam search through the eviction caches ----------------------------------------------
+@pytest.mark.parametrize("conf", [{"name": "h2o", "budget": 6, "window": 2},
+                                  {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
+                                  {"name": "tova", "budget": 5}])
+def test_reordering_rows_moves_positions_and_scores_with_keys(base, conf):
+    """Beam search's reorder_cache on a cache of rows (a, b) equals the cache of rows (b, a):
+    keys, values, positions and H2O's accumulated scores, and the next step's logits."""
+    method = build_method(conf)
+    model = copy.deepcopy(base)
+    method.install(model)
+    ids = torch.cat([_ids(12, 4), _ids(12, 5)])
+    steps = _ids(3, 6, rows=2)
+
+    def run(rows):
+        cache = method.make_cache(model)
+        with torch.no_grad():
+            model(ids[rows], past_key_values=cache)
+            for t in range(steps.shape[1]):
+                model(steps[rows, t:t + 1], past_key_values=cache)
+        return cache
+    moved, swapped = run([0, 1]), run([1, 0])
+    moved.reorder_cache(torch.tensor([1, 0]))
+    for a, b in zip(moved.layers, swapped.layers):
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for layer, scores in getattr(swapped.policy, "scores", {}).items():
+        assert torch.equal(moved.policy.scores[layer], scores)
+    nxt = _ids(1, 7, rows=2)
+    with torch.no_grad():
+        assert torch.equal(model(nxt[[1, 0]], past_key_values=moved).logits,
+                           model(nxt[[1, 0]], past_key_values=swapped).logits)
+
+
+def test_beam_search_through_h2o_runs_and_repeats_rows_whole(base):
+    method = build_method({"name": "h2o", "budget": 6, "window": 2})
+    model = copy.deepcopy(base)
+    method.install(model)
+    cache = method.make_cache(model)
+    with torch.no_grad():
+        model(_ids(12, 4), past_key_values=cache)
+    cache.batch_repeat_interleave(3)
+    assert all(lay.positions.shape[0] == 3 for lay in cache.layers)
+    assert all(s.shape[0] == 3 for s in cache.policy.scores.values())
+    out = model.generate(_ids(12, 4), max_new_tokens=5, num_beams=3, do_sample=False,
+                         past_key_values=method.make_cache(model))
+    assert out.shape == (1, 17)
