@@ -13,8 +13,9 @@ from typing import Any, Iterator
 
 
 def _as_created(path: Path, directory: bool) -> None:
-    """The mode an ordinary file or folder gets under the user's umask (mkstemp / mkdtemp make
-    them 0600 / 0700: results nobody else could read)."""
+    """The mode an ordinary file or folder gets under the user's umask: one policy for every
+    artifact (mkstemp / mkdtemp and safetensors' writer make 0600 / 0700: results nobody else
+    could read, beside manifests anyone could)."""
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, (0o777 if directory else 0o666) & ~mask)
@@ -32,7 +33,9 @@ def atomic_dir(target: str | Path, marker: str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
-        _as_created(tmp, directory=True)
+        for path in (tmp, *tmp.rglob("*")):   # what writers make 0600 (safetensors) reads as any file
+            if not path.is_symlink():
+                _as_created(path, directory=path.is_dir())
         if target.exists():
             _check_replaceable(target, marker)
             shutil.rmtree(target)

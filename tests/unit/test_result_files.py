@@ -24,3 +24,27 @@ def test_atomic_files_and_folders_follow_the_umask(tmp_path):
         assert _mode(tmp_path / "private.json") == 0o600
     finally:
         os.umask(old)
+
+
+def test_every_file_of_a_saved_artifact_has_one_mode(tmp_path):
+    """Weights were 0600 (safetensors' writer) beside 0644 manifests (issue 51, item 11): every
+    file of a checkpoint and of a KVQuant state now follows the umask, as single files did."""
+    import copy
+
+    import torch
+
+    import palu
+    from palu.calib.kvquant import fit_kvquant
+    from tiny import tiny_llama
+    old = os.umask(0o022)
+    try:
+        base = tiny_llama(0)
+        calib = torch.randint(1, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+        palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=2, progress=False).save(tmp_path / "ckpt")
+        fit_kvquant(copy.deepcopy(base), calib, bits=3, weighting="uniform", tokens_per_window=16,
+                    progress=False).save(tmp_path / "state")
+        files = [p for p in tmp_path.rglob("*") if p.is_file()]
+        assert {p.name for p in files} >= {"factors.safetensors", "state.safetensors", "manifest.json"}
+        assert {p.name: _mode(p) for p in files} == {p.name: 0o644 for p in files}
+    finally:
+        os.umask(old)
