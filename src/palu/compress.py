@@ -84,7 +84,7 @@ def build_manifest(model, model_id: str, allocation: dict, decomposition: str, f
         # the KV-head order the factors are in (decompose/heads.py); None: the model's own
         "head_order": head_order,
         "source": {"model_id": model_id, "hash": base_hash or source_hash(model),
-                   "model_type": model.config.model_type},
+                   "model_type": model.config.model_type, "dtype": str(model.dtype).removeprefix("torch.")},
         "settings": settings, "report": report,
         "summary": {"kept_ratio_target": allocation["kept_ratio_target"],
                     "kept_ratio_realised": allocation["kept_ratio_realised"],

@@ -248,7 +248,10 @@ class PaluAttention(nn.Module):
         if not isinstance(cache, LatentStore) or not hasattr(cache, "layers"):
             raise ValueError("Palu + SnapKV evicts from a LatentCache (method.make_cache(model)); "
                              f"got {type(cache).__name__}")
-        return cache.get_seq_length(self.layer_idx) == 0
+        if cache.get_seq_length(self.layer_idx) != 0:
+            return False
+        # a prompt within the observation window or the budget keeps everything, as SnapKV alone
+        return max(self.eviction.window, self.eviction.budget(self.layer_idx, T)) < T
 
     def _kernels_may_run(self) -> bool:
         return self.fuse and self.backend != "torch" and self.selection is None

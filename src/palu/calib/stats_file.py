@@ -24,7 +24,13 @@ class StatisticsMismatchError(ValueError):
 def model_identity(model) -> dict:
     from ..decompose.checkpoint import source_hash
     from ..models.adapters import config_fingerprint
-    return {"hash": source_hash(model), "config": config_fingerprint(model.config)}
+    return {"hash": source_hash(model), "config": config_fingerprint(model.config),
+            "dtype": dtype_name(model)}
+
+
+def dtype_name(model) -> str:
+    """The dtype a model's weights were loaded in ("float32"): what its attention hash is of."""
+    return str(model.dtype).removeprefix("torch.")
 
 
 def save_stats(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict, model) -> None:
@@ -57,14 +63,20 @@ def load_stats(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], di
     return tensors, meta
 
 
-def check_model(meta: dict, config, model_hash: str | None = None, what: str = "statistics") -> None:
+def check_model(meta: dict, config, model_hash: str | None = None, what: str = "statistics",
+                dtype: str | None = None) -> None:
     """Refuse an artifact of another model: by its config always, by its attention weights'
-    hash where the reader has the model loaded (`model_hash`) and the artifact recorded one."""
+    hash where the reader has the model loaded (`model_hash`, of weights in `dtype`) and the
+    artifact recorded one; a copy of the model in another dtype is named as such."""
     from ..models.adapters import config_fingerprint
     made = meta.get("model") or {}
     if made.get("config") != config_fingerprint(config):
         raise StatisticsMismatchError(f"{what} were made for a model of other shapes or vocabulary "
                                       f"(fingerprint {made.get('config')}, this one {config_fingerprint(config)})")
     if model_hash is not None and made.get("hash") not in (None, model_hash):
+        if made.get("dtype") and dtype and made["dtype"] != dtype:
+            raise StatisticsMismatchError(f"{what} were made from the model loaded in {made['dtype']}; "
+                                          f"the model given is in {dtype} (its attention weights "
+                                          f"differ): load it in {made['dtype']} (model.dtype)")
         raise StatisticsMismatchError(f"{what} were made from another model (attention hash "
                                       f"{str(made['hash'])[:12]}…, this one {model_hash[:12]}…)")

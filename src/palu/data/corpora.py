@@ -24,6 +24,47 @@ class CorpusNotAvailableError(FileNotFoundError):
     """The corpus exists by name but its data cannot be found here."""
 
 
+class CorpusFileError(ValueError):
+    """A corpus file that cannot be read as its format says: the error names the file and where."""
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it is non-empty text every tokenizer can encode; otherwise a ValueError naming
+    `where` (a file, a field): an empty text, or a lone surrogate (a JSON escape such as \\ud800
+    decodes to one, and tokenizers fail on it far from its source)."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where} must be a str, got {type(text).__name__}")
+    if not text.strip():
+        raise CorpusFileError(f"{where} holds no text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise CorpusFileError(f"{where}: character {err.start} is a lone surrogate "
+                              f"({text[err.start]!a}), not text; fix or drop it") from None
+    return text
+
+
+def read_corpus_file(path: Path, corpus: str) -> str:
+    """A corpus file's text (UTF-8), refused by name if missing, not UTF-8, or empty."""
+    path = _need(path, corpus)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CorpusFileError(f"corpus {corpus!r}: {path} is not UTF-8 (byte {err.start}: "
+                              f"{data[err.start:err.start + 4]!r}); convert it first, e.g. "
+                              f"iconv -f <its encoding> -t utf-8") from None
+    return check_text(text, f"corpus {corpus!r}: {path}")
+
+
+def check_fraction(calibration_fraction) -> float:
+    f = calibration_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
+        raise ValueError(f"calibration_fraction={f!r} must be a number in (0, 1): the share of "
+                         "documents held out for calibration (the rest are evaluated)")
+    return float(f)
+
+
 @dataclass(frozen=True)
 class Corpus:
     name: str
@@ -58,6 +99,7 @@ def _in_calibration(doc: str, fraction: float) -> bool:
 
 def split_documents(docs: list[str], calibration_fraction: float) -> tuple[str, str]:
     """Deduplicate, keep first-seen order, and split by document into (calibration, evaluation)."""
+    check_fraction(calibration_fraction)
     unique = list(dict.fromkeys(d.strip() for d in docs if d.strip()))
     calib = [d for d in unique if _in_calibration(d, calibration_fraction)]
     evals = [d for d in unique if not _in_calibration(d, calibration_fraction)]
@@ -110,8 +152,8 @@ def _hf(corpus: str, *args, **kwargs):
 def load_wikitext2(path: str | None = None, **_) -> Corpus:
     if path:
         root = Path(path)
-        train = _need(root / "wiki.train.raw", "wikitext2").read_text()
-        test = _need(root / "wiki.test.raw", "wikitext2").read_text()
+        train = read_corpus_file(root / "wiki.train.raw", "wikitext2")
+        test = read_corpus_file(root / "wiki.test.raw", "wikitext2")
     else:
         ds = _hf("wikitext2", "wikitext", "wikitext-2-raw-v1")
         train, test = "".join(ds["train"]["text"]), "".join(ds["test"]["text"])
@@ -125,9 +167,32 @@ def _c4_shards(root: Path, split: str) -> list[dict]:
         raise CorpusNotAvailableError(f"corpus 'c4': no c4-{split}*.json(.gz) shard in {root}")
     rows = []
     for shard in shards:
-        opener = gzip.open if shard.suffix == ".gz" else open
-        with opener(shard, "rt") as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
+        rows.extend(_c4_rows(shard))
+    return rows
+
+
+def _c4_rows(shard: Path) -> list[dict]:
+    """One shard's documents: JSON lines with a "text" string each (gzipped or not); a shard
+    that is not gzip, not UTF-8, not JSON or lacks "text" is refused naming it and the line."""
+    opener = gzip.open if shard.suffix == ".gz" else open
+    rows, line_no = [], 0
+    try:
+        with opener(shard, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    raise CorpusFileError(f"corpus 'c4': {shard} line {line_no} has no \"text\" string "
+                                          f"(keys: {sorted(row) if isinstance(row, dict) else type(row).__name__})")
+                rows.append({"text": check_text(row["text"], f"corpus 'c4': {shard} line {line_no}")})
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        where = f" line {line_no + 1}" if isinstance(err, (UnicodeDecodeError, EOFError, OSError)) else f" line {line_no}"
+        raise CorpusFileError(f"corpus 'c4': {shard}{where} cannot be read "
+                              f"({type(err).__name__}: {err}); a shard is JSON lines, gzipped when "
+                              "its name ends in .gz") from None
+    if not rows:
+        raise CorpusFileError(f"corpus 'c4': {shard} holds no documents")
     return rows
 
 
@@ -148,8 +213,8 @@ def load_c4(path: str | None = None, max_eval_docs: int = 1100, **_) -> Corpus:
 def load_ptb(path: str | None = None, **_) -> Corpus:
     if path:
         root = Path(path)
-        train = _need(root / "ptb.train.txt", "ptb").read_text().splitlines()
-        test = _need(root / "ptb.test.txt", "ptb").read_text().splitlines()
+        train = read_corpus_file(root / "ptb.train.txt", "ptb").splitlines()
+        test = read_corpus_file(root / "ptb.test.txt", "ptb").splitlines()
     else:
         ds = _hf("ptb", "ptb_text_only", "penn_treebank")
         train, test = ds["train"]["sentence"], ds["test"]["sentence"]
@@ -183,4 +248,7 @@ def load_corpus(name: str, path: str | None = None, **options) -> Corpus:
         # a silently ignored path would evaluate the embedded text under the user's file's name
         raise ValueError(f"corpus {name!r} is embedded and takes no path, got path={path!r}; "
                          f"files of your own need a real corpus ({real_corpora()})")
-    return CORPORA[name](path=path, **options)
+    corpus = CORPORA[name](path=path, **options)
+    for part in ("calibration_text", "evaluation_text"):   # HF copies too: no file names there
+        check_text(getattr(corpus, part), f"corpus {name!r} ({part.split('_')[0]} part)")
+    return corpus

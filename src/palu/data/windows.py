@@ -39,7 +39,10 @@ def _with_bos(windows: torch.Tensor, bos: int | None) -> torch.Tensor:
 
 
 def tokenize(tokenizer, text: str) -> torch.Tensor:
-    """The whole text as one 1-D LongTensor of token ids (no special tokens)."""
+    """The whole text as one 1-D LongTensor of token ids (no special tokens); an empty text or
+    one a tokenizer cannot encode (a lone surrogate) is refused by name."""
+    from .corpora import check_text
+    check_text(text, "text=")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 

@@ -152,9 +152,16 @@ def load_compressed(model, path: str | Path, fuse: bool | None = None) -> dict:
     manifest = read_manifest(path)
     expected, actual = manifest["source"]["hash"], source_hash(model)
     if expected != actual:
+        made_in, given = manifest["source"].get("dtype"), str(model.dtype).removeprefix("torch.")
+        if made_in is not None and made_in != given:   # the hash is of the weights as loaded
+            raise CheckpointError(
+                f"checkpoint {path} was made from {manifest['source']['model_id']!r} loaded in "
+                f"{made_in}; the model given is in {given}, and its attention weights differ "
+                f"(hash {actual[:12]}… vs {expected[:12]}…): load the model in {made_in} "
+                f"(model.dtype={made_in}), or compress the {given} copy")
         raise CheckpointError(
             f"checkpoint {path} was made from {manifest['source']['model_id']!r} "
-            f"(attention hash {expected[:12]}…) but the model given has hash {actual[:12]}…")
+            f"(attention hash {expected[:12]}…) but the model given ({given}) has hash {actual[:12]}…")
     geom = geometry_of(model.config)
     s = manifest["allocation"]["group_size"]
     try:

@@ -169,10 +169,11 @@ class KVQuant(QuantizedKV):
         return {} if isinstance(self.state, KVQuantState) else {"kvquant_state": str(self.state)}
 
     def install(self, model) -> None:
-        from ..calib.stats_file import check_model
+        from ..calib.stats_file import check_model, dtype_name
         from ..decompose.checkpoint import source_hash
         check_model(self.loaded.info, model.config, source_hash(model),
-                    f"the KVQuant state {self.state if isinstance(self.state, (str, Path)) else ''}".rstrip())
+                    f"the KVQuant state {self.state if isinstance(self.state, (str, Path)) else ''}".rstrip(),
+                    dtype=dtype_name(model))
         super().install(model)
 
     def codecs(self, geom, model):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from palu.calib.stats_file import check_model, load_stats
+from palu.calib.stats_file import check_model, dtype_name, load_stats
 from palu.compress import build_manifest
 from palu.pipeline.config import to_dict
 from palu.decompose.checkpoint import save_compressed, source_hash
@@ -43,10 +43,10 @@ def _decompose(cfg, allocation, grams, ranks) -> tuple[dict, dict]:
     p = cfg.palu
     model, _ = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
     base_hash = source_hash(model)
-    check_model(allocation, model.config, base_hash, f"the rank file {ranks}")
+    check_model(allocation, model.config, base_hash, f"the rank file {ranks}", dtype=dtype_name(model))
     if grams is not None:
         tensors, meta = load_stats(grams, "calibration Gram")
-        check_model(meta, model.config, base_hash, f"the calibration Gram {grams}")
+        check_model(meta, model.config, base_hash, f"the calibration Gram {grams}", dtype=dtype_name(model))
         grams = tensors["gram"]
     start = time.perf_counter()
     orders = None
