@@ -132,3 +132,29 @@ def test_beam_search_through_h2o_runs_and_repeats_rows_whole(base):
     out = model.generate(_ids(12, 4), max_new_tokens=5, num_beams=3, do_sample=False,
                          past_key_values=method.make_cache(model))
     assert out.shape == (1, 17)
+
+
+def test_reordering_a_padded_batch_moves_each_rows_own_state(base):
+    """A left-padded batch keeps one policy per row (H2O's scores over the row's own tokens);
+    reorder_cache moves them with the rows: row 0 after [1, 0] is row 1 before."""
+    method = build_method({"name": "h2o", "budget": 6, "window": 2})
+    model = copy.deepcopy(base)
+    method.install(model)
+    short, long_ = [5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70]
+    ids = torch.tensor([[0] * 5 + short, long_])
+    mask = torch.tensor([[0] * 5 + [1] * 7, [1] * 12])
+
+    def run():
+        cache = method.make_cache(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+            model(torch.tensor([[4], [6]]), attention_mask=torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1),
+                  past_key_values=cache)
+        return cache
+    before, moved = run(), run()
+    moved.reorder_cache(torch.tensor([1, 0]))
+    a, b = moved.row(0), before.row(1)
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.positions, lb.positions) and la.seen == lb.seen
+    assert all(torch.equal(a.policy.scores[i], b.policy.scores[i]) for i in b.policy.scores)
+    assert before.row(0).layers[0].seen == 8 and before.row(1).layers[0].seen == 13

@@ -141,15 +141,18 @@ def test_bad_eviction_settings_are_refused(conf, match):
         build_method(conf)
 
 
-def test_a_padded_batch_and_a_foreign_cache_are_refused():
+def test_padding_not_on_the_left_and_a_foreign_cache_are_refused():
+    """Left padding is served row by row (test_padded_batches.py); pads after a row's first
+    token (right padding, holes) would be counted as its tokens: refused."""
     from transformers import DynamicCache
     base = tiny_llama(0).double()
     method, model = _installed(base, {"name": "streaming_llm", "sink": 1, "window": 4})
     ids = torch.randint(0, 97, (2, 6))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, :2] = 0
-    with pytest.raises(ValueError, match="padded batch"):
-        model(ids, attention_mask=mask, past_key_values=method.make_cache(model), use_cache=True)
+    for hidden in (slice(4, 6), slice(2, 3)):
+        mask = torch.ones(2, 6, dtype=torch.long)
+        mask[1, hidden] = 0
+        with pytest.raises(ValueError, match="serves left-padded batches"):
+            model(ids, attention_mask=mask, past_key_values=method.make_cache(model), use_cache=True)
     with pytest.raises(TypeError, match="method.make_cache"):
         model(ids, past_key_values=DynamicCache(), use_cache=True)
 

@@ -7,8 +7,9 @@ batch by name. Parametrised over `method_names()`: a new method must be added to
 | method | left-padded batch |
 |---|---|
 | fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to each prompt alone (per-token storage) |
+| snapkv, pyramidkv, streaming_llm, tova, h2o, quest | equal to each prompt alone (each row's policy decides over its own tokens, ragged kept sets led by masked fillers; bytes from the row's own view) |
 | kivi, kvquant, kivi_snapkv | refused: groups / windows / the first token counted by place in the row |
-| snapkv, pyramidkv, streaming_llm, tova, h2o, quest, palu_snapkv | refused: budgets and windows count a row's tokens |
+| palu_snapkv | refused: SnapKV counts a row's tokens in the latent cache |
 | palu_select | refused: it would choose pad tokens |
 """
 import copy

@@ -3,8 +3,11 @@
 their true positions), then the queries attend to the kept tokens plus this step's, as the
 method's policy allows (`SubsetPolicy.visible`), and the policy picks what the cache keeps.
 
-A padded batch is refused (the policies count tokens: a row's pad tokens would count too);
-without a cache a fresh one serves the step, so the model never runs without the method.
+A left-padded batch is served row by row: each row's positions count its own tokens, no query
+sees a pad, and the policy decides over each row's own tokens with its own state (`_by_row`), so
+every row holds what its prompt alone would (rows that keep fewer tokens than the longest are led
+by masked filler slots). Without a cache a fresh one serves the step, so the model never runs
+without the method.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.subset_cache import SubsetKVCache
+from ..cache.subset_cache import FILLER, SubsetKVCache, gather_slots, real_slots
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .full_heads import FullHeads
 
@@ -31,40 +34,104 @@ class SubsetKVAttention(FullHeads):
                 past_key_values=None, position_ids=None, **kwargs):
         B, T, _ = hidden_states.shape
         x = hidden_states
-        q, k, v = self.project(x, position_embeddings)
+        q, k, v = self.project(x, position_embeddings)   # RoPE at each row's own positions
         cache = self.own_cache(past_key_values, SubsetKVCache)
-        _check_unpadded(attention_mask, self.method.name)
         old_k, old_v, old_pos, seen = cache.held(self.layer_idx)
-        H = self.geom.num_kv_heads
-        new_pos = torch.arange(seen, seen + T, device=x.device, dtype=torch.int32)
-        new_pos_h = new_pos.expand(B, H, T)
+        lay = cache.layers[self.layer_idx]
+        if old_k is None:
+            lay.pads = left_pads(attention_mask, B, T, self.method.name)
+        H, pads = self.geom.num_kv_heads, lay.pads
+        slots = torch.arange(seen, seen + T, device=x.device, dtype=torch.int32)
+        q_pos = slots.expand(B, 1, T)
+        if pads is not None:   # a row's positions count its own tokens; a pad's is FILLER
+            q_pos = (q_pos - pads.view(B, 1, 1).to(torch.int32)).clamp_min(FILLER)
         keys = k if old_k is None else torch.cat([old_k, k], 2)
         values = v if old_v is None else torch.cat([old_v, v], 2)
-        positions = new_pos_h if old_pos is None else torch.cat([old_pos, new_pos_h], 2)
+        new_pos = q_pos.expand(B, H, T)
+        positions = new_pos if old_pos is None else torch.cat([old_pos, new_pos], 2)
         policy = cache.policy            # built once per cache by the method
-        mask = policy.visible(new_pos, positions)                   # (B, H, T, S)
+        mask = policy.visible(q_pos, positions)                     # (B, H, T, S)
+        if pads is not None:   # no query sees a pad or a filler; a pad's query sees all (finite)
+            mask = (mask & (positions >= 0)[:, :, None]) | (q_pos < 0)[..., None]
         if T == 1 and old_k is not None:
-            chosen = policy.select(q, keys, positions)              # (B, H, S) or None
+            chosen = (policy.select(q, keys, positions) if pads is None
+                      else _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.select(qb, kb, posb),
+                                   q, keys, positions, q_pos, seen + T, pads, select=True))
             if chosen is not None:
                 mask = mask & chosen[:, :, None, :]
         mask = mask.repeat_interleave(self.geom.n_rep, dim=1)       # per query head
         keys_q = keys.repeat_interleave(self.geom.n_rep, 1)
         values_q = values.repeat_interleave(self.geom.n_rep, 1)
         out = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask, scale=self.softmax_scale())
-        keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=old_k is None and T > 1,
-                           scale=self.softmax_scale())
+        scale, first = self.softmax_scale(), old_k is None
+        if pads is None:
+            keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=first and T > 1, scale=scale)
+        else:
+            keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
+                self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),
+                q, keys, positions, q_pos, seen + T, pads)
         if keep is not None:
-            idx = keep[..., None].expand(-1, -1, -1, keys.shape[-1])
-            keys, values = keys.gather(2, idx), values.gather(2, idx)
+            keep, fillers = keep if pads is not None else (keep, None)
+            keys, values = gather_slots(keys, keep), gather_slots(values, keep)
             positions = positions.gather(2, keep)
+            if fillers is not None:
+                positions = positions.masked_fill(fillers, FILLER)
         cache.store(self.layer_idx, keys, values, positions, seen + T)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
+
+
+def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: bool = False):
+    """A policy's decision for a padded batch, row by row over each row's own tokens (its real
+    slots and queries, its own seen count and policy state), as the row's prompt alone would
+    decide it. keep: (B, H, n) slot indices and (B, 1, n) filler flags (rows that keep fewer
+    than the longest are led by filler slots); select: (B, H, S) bool. None: every row keeps
+    (reads) all."""
+    rows, any_change = [], False
+    for b in range(B):
+        idx = real_slots(positions[b:b + 1])                                   # (1, H, n_b)
+        qb = q[b:b + 1, :, (q_pos[b, 0] >= 0)]
+        got = decide(cache.policy_of_row(b, B), b, qb, gather_slots(keys[b:b + 1], idx),
+                     positions[b:b + 1].gather(2, idx), seen - int(pads[b]))
+        any_change |= got is not None
+        rows.append((idx, got))
+    if not any_change:
+        return None
+    if select:
+        chosen = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
+        for b, (idx, got) in enumerate(rows):
+            chosen[b].scatter_(-1, idx[0], True if got is None else got[0])
+        return chosen
+    kept = [idx[0] if got is None else idx[0].gather(-1, got[0]) for idx, got in rows]   # (H, k_b)
+    width = max(t.shape[-1] for t in kept)
+    out = torch.zeros(B, positions.shape[1], width, dtype=torch.long, device=positions.device)
+    fillers = torch.ones(B, 1, width, dtype=torch.bool, device=positions.device)
+    for b, t in enumerate(kept):
+        out[b, :, width - t.shape[-1]:] = t
+        fillers[b, :, width - t.shape[-1]:] = False
+    return out, fillers
+
+
+def left_pads(attention_mask, B: int, T: int, name: str):
+    """(B,) left pads of a batch's first step from its mask (a column no query sees is a pad),
+    None when no row is padded. Padding anywhere but at a row's start is refused by name."""
+    if attention_mask is None:
+        return None
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1
+    seen_by_some = (visible.any(-2) if visible.dim() == 4 else visible).reshape(B, -1)[:, -T:]
+    if bool(seen_by_some.all()):
+        return None
+    pads = (~seen_by_some).long().cumprod(-1).sum(-1)                          # leading pads
+    if not bool((seen_by_some.sum(-1) == T - pads).all()):
+        raise ValueError(f"{name} serves left-padded batches: a row's pad tokens must all come "
+                         "before its first token (pad on the left; tokenizer.padding_side='left')")
+    return pads
 
 
 def _check_unpadded(attention_mask, name: str,
                     why: str = "counts tokens (a sink, a window, a budget): a padded batch would "
                                "count a row's pad tokens too") -> None:
-    """A padded batch is refused: a column no query may see is a pad token."""
+    """A padded batch is refused (the latent caches' eviction and selection): a column no query
+    may see is a pad token."""
     if attention_mask is None:
         return
     visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1

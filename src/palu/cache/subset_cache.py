@@ -16,6 +16,8 @@ selection reads fewer than it stores.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -24,8 +26,9 @@ class SubsetPolicy:
     """What a token-subset method decides. Subclasses override `keep` (and `visible`)."""
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """(..., T, S) bool: query at q_pos (T,) may see key at k_pos (..., S). Causal by default."""
-        return k_pos[..., None, :] <= q_pos[:, None]
+        """(B, H, T, S) bool: query at q_pos (B, 1, T) may see key at k_pos (B, H, S). Causal by
+        default."""
+        return k_pos[..., None, :] <= q_pos[..., None]
 
     def keep(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
              seen: int, prefill: bool, scale: float | None = None) -> torch.Tensor | None:
@@ -51,7 +54,8 @@ class _SubsetLayer(CacheLayerMixin):
     def __init__(self):
         super().__init__()
         self.keys = self.values = self.positions = None
-        self.seen = 0
+        self.seen = 0        # token slots seen, a row's left pads included (the next slot's index)
+        self.pads = None     # (B,) left pads per row of a padded batch; None: no row padded
 
     def lazy_initialization(self, key_states, value_states=None):
         self.is_initialized = True
@@ -79,6 +83,8 @@ class _SubsetLayer(CacheLayerMixin):
         positions differ per row once a policy has evicted by attention)."""
         if self.keys is not None:
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
+        if self.pads is not None:
+            self.pads = fn(self.pads)
 
     def reorder_cache(self, beam_idx) -> None:
         self.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -96,11 +102,44 @@ class SubsetKVCache(Cache):
     def __init__(self, policy: SubsetPolicy, num_layers: int, owner: str):
         super().__init__(layers=[_SubsetLayer() for _ in range(num_layers)])
         self.policy, self.owner = policy, owner
+        # a padded batch: one policy per row, deciding over that row's own tokens only (its state,
+        # H2O's scores, is the row's alone); None while no row is padded (one batched policy)
+        self.row_policies: list[SubsetPolicy] | None = None
+
+    def policy_of_row(self, row: int, rows: int) -> SubsetPolicy:
+        if self.row_policies is None:
+            self.row_policies = [copy.deepcopy(self.policy) for _ in range(rows)]
+        return self.row_policies[row]
 
     def _map_rows(self, fn) -> None:
         for i, lay in enumerate(self.layers):
             lay.map_rows(fn)
             self.policy.map_rows(i, fn)
+        if self.row_policies is not None:   # the list follows the rows (copies where repeated)
+            order = fn(torch.arange(len(self.row_policies))).tolist()
+            self.row_policies = [copy.deepcopy(self.row_policies[i]) for i in order]
+
+    def row(self, b: int) -> "SubsetKVCache":
+        """Row `b` alone: a one-row cache of its real tokens (no pads, no filler slots) and its own
+        policy state, what the row's prompt alone would hold; `method.cache_nbytes(cache.row(b))`
+        counts that row's bytes."""
+        if self.row_policies is not None:
+            policy = self.row_policies[b]
+        else:
+            policy = copy.deepcopy(self.policy)
+            for i in range(len(self.layers)):
+                policy.map_rows(i, lambda t: t[b:b + 1])
+        out = SubsetKVCache(policy, len(self.layers), self.owner)
+        for i, lay in enumerate(self.layers):
+            if lay.keys is None:
+                continue
+            k, v, pos = lay.keys[b:b + 1], lay.values[b:b + 1], lay.positions[b:b + 1]
+            pads = 0
+            if lay.pads is not None:
+                pads, idx = int(lay.pads[b]), real_slots(pos)
+                k, v, pos = gather_slots(k, idx), gather_slots(v, idx), pos.gather(2, idx)
+            out.store(i, k, v, pos, lay.seen - pads)
+        return out
 
     def reorder_cache(self, beam_idx) -> None:
         """Beam search: every layer's rows and the policy's per-row state follow `beam_idx`."""
@@ -133,3 +172,22 @@ class SubsetKVCache(Cache):
         lay = self.layers[layer]
         return 0 if lay.keys is None else lay.keys.shape[2]
 
+
+
+FILLER = -1   # the position of a slot that holds no token of its row (a left pad, or a filler
+              # that keeps a padded batch's rows one length after they kept different numbers)
+
+
+def real_slots(positions: torch.Tensor) -> torch.Tensor:
+    """(B, H, n) indices of the slots holding a row's tokens (position >= 0), in slot order; every
+    KV head of a row holds the same number (budgets are per layer)."""
+    real = positions >= 0
+    counts = real.sum(-1)
+    if not bool((counts == counts[..., :1]).all()):
+        raise RuntimeError(f"a row's KV heads hold different numbers of tokens ({counts.tolist()})")
+    return real.nonzero()[:, -1].view(*positions.shape[:2], -1)
+
+
+def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`t` (B, H, S, d) at slot indices `idx` (B, H, n)."""
+    return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))

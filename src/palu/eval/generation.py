@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 log = logging.getLogger(__name__)
 AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
@@ -103,17 +104,47 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     cache = None if method is None else method.make_cache(model)
     kwargs = {} if cache is None else {"past_key_values": cache}
+    stop = eos_ids(model)
+    snapshots = None
+    if hasattr(cache, "row"):   # a cache whose rows hold different numbers of tokens (eviction)
+        snapshots = _RowBytes(method, cache, width, stop, len(prompts))
+        kwargs["stopping_criteria"] = StoppingCriteriaList([snapshots])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
-    stop = eos_ids(model)
-    held = None if cache is None else method.cache_nbytes(cache)   # once per batch
+    held = None if cache is None or snapshots else method.cache_nbytes(cache)   # once per batch
     rows = []
     for row, p in enumerate(prompts):
         end = next((k + 1 for k, t in enumerate(new[row]) if t in stop), len(new[row]))
-        rows.append((tokenizer.decode(new[row][:end], skip_special_tokens=True),
-                     _row_bytes(held, len(p) + end - 1, len(prompts), out.shape[1] - 1)))
+        tokens = len(p) + end - 1
+        n = (snapshots.bytes_of(row, tokens) if snapshots
+             else _row_bytes(held, tokens, len(prompts), out.shape[1] - 1))
+        rows.append((tokenizer.decode(new[row][:end], skip_special_tokens=True), n))
     return rows
+
+
+class _RowBytes(StoppingCriteria):
+    """Each row's bytes when that row ends (its first EOS), from the cache's view of the row
+    alone (`cache.row(b)`): an eviction cache's rows keep different numbers of tokens, and a
+    finished row goes on decoding pad tokens until the batch ends. Stops nothing."""
+
+    def __init__(self, method, cache, width: int, stop: set, rows: int):
+        super().__init__()
+        self.method, self.cache, self.width, self.stop = method, cache, width, stop
+        self.at_end: dict[int, dict] = {}
+        self.rows = rows
+
+    def __call__(self, input_ids, scores, **kwargs):
+        last = input_ids[:, -1].tolist()
+        for b in range(self.rows):
+            if b not in self.at_end and last[b] in self.stop:
+                self.at_end[b] = self.method.cache_nbytes(self.cache.row(b))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def bytes_of(self, row: int, tokens: int) -> dict:
+        n = self.at_end.get(row) or self.method.cache_nbytes(self.cache.row(row))
+        return {"stored": int(n["total"]), "read_per_step": int(n.get("read_per_step", n["total"])),
+                "tokens": int(tokens)}
 
 
 def _row_bytes(n: dict | None, tokens: int, batch: int, slots: int) -> dict | None:

@@ -18,7 +18,7 @@ class StreamingPolicy(SubsetPolicy):
         self.sink, self.window = sink, window
 
     def visible(self, q_pos, k_pos):
-        q, k = q_pos[:, None], k_pos[..., None, :]
+        q, k = q_pos[..., None], k_pos[..., None, :]
         return (k <= q) & ((k < self.sink) | (q - k < self.window))
 
     def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):

@@ -14,6 +14,7 @@ from .base import CacheMethod
 @dataclass
 class TokenSubset(CacheMethod):
     """Base of the eviction methods; a subclass sets `name`, its fields and `policy`."""
+    padded_batches = True   # each row's policy decides over its own tokens (subset_attention._by_row)
 
     @property
     def policy(self) -> SubsetPolicy:
