@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test test-fast test-cluster install install-gemma3 clean-work
+.PHONY: run test test-fast test-cluster install install-gemma3 clean-work wheelhouse
 
 install: $(STAMP)
 
@@ -61,3 +61,13 @@ test-fast: $(STAMP)
 
 clean-work:
 	rm -rf work .snakemake
+
+# An offline install for a GPU host that reaches no registry (README, "Run on a GPU host without
+# internet"): the pinned packages that host lacks, as wheels for its Python, with their sha256, and
+# the embedded model / data files the grids read. Another host: WHEELHOUSE_HOST=<its pip freeze>.
+WHEELHOUSE        ?= work/wheelhouse
+WHEELHOUSE_PYTHON ?= 3.12
+WHEELHOUSE_HOST   ?= requirements/hosts/h200-cuda.txt
+
+wheelhouse: $(STAMP)
+	$(BIN)/python workflow/wheelhouse.py build $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) --host $(WHEELHOUSE_HOST)
