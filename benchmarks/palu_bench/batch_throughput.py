@@ -35,6 +35,9 @@ METHODS = {
     "turboquant-b3": {"name": "turboquant", "bits": 3},
     "kivi-b2": {"name": "kivi", "bits": 2},
     "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
+    "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
+    "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2048},
+    "h2o": {"name": "h2o", "budget": 2048, "window": 64},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,
