@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.subset_cache import FILLER, SubsetKVCache, gather_slots, real_slots
+from ..cache.subset_cache import FILLER, SubsetKVCache, SubsetPolicy, gather_slots, real_slots
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .full_heads import FullHeads
 
@@ -53,7 +53,8 @@ class SubsetKVAttention(FullHeads):
         mask = policy.visible(q_pos, positions)                     # (B, H, T, S)
         if pads is not None:   # no query sees a pad or a filler; a pad's query sees all (finite)
             mask = (mask & (positions >= 0)[:, :, None]) | (q_pos < 0)[..., None]
-        if T == 1 and old_k is not None:
+        selects = type(policy).select is not SubsetPolicy.select   # Quest reads a subset each step
+        if T == 1 and old_k is not None and (pads is None or selects):
             chosen = (policy.select(q, keys, positions) if pads is None
                       else _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.select(qb, kb, posb),
                                    q, keys, positions, q_pos, seen + T, pads, select=True))
@@ -66,6 +67,8 @@ class SubsetKVAttention(FullHeads):
         scale, first = self.softmax_scale(), old_k is None
         if pads is None:
             keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=first and T > 1, scale=scale)
+        elif not (first or policy.keeps_after_prefill):
+            keep = None
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
                 self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),

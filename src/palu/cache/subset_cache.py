@@ -24,6 +24,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 class SubsetPolicy:
     """What a token-subset method decides. Subclasses override `keep` (and `visible`)."""
+    # Whether `keep` may evict after the prefill (StreamingLLM, TOVA, H2O: every step); SnapKV's
+    # choice is made once, so a padded batch's decode steps skip its per-row calls.
+    keeps_after_prefill = True
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(B, H, T, S) bool: query at q_pos (B, 1, T) may see key at k_pos (B, H, S). Causal by

@@ -18,6 +18,8 @@ from .token_subset import TokenSubset
 
 
 class QuestPolicy(SubsetPolicy):
+    keeps_after_prefill = False   # keeps every token; selects what a step reads
+
     def __init__(self, page: int, budget: int):
         self.page, self.budget = page, budget
 

@@ -19,6 +19,8 @@ from .token_subset import TokenSubset
 
 
 class SnapKVPolicy(SubsetPolicy):
+    keeps_after_prefill = False   # chosen once, after the prefill
+
     def __init__(self, ratio: float, window: int, kernel: int):
         self.ratio, self.window, self.kernel = ratio, window, kernel
 
