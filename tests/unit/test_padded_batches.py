@@ -10,7 +10,7 @@ batch by name. Parametrised over `method_names()`: a new method must be added to
 | snapkv, pyramidkv, streaming_llm, tova, h2o, quest | equal to each prompt alone (each row's policy decides over its own tokens, ragged kept sets led by masked fillers; bytes from the row's own view) |
 | kivi, kvquant, kivi_snapkv | refused: groups / windows / the first token counted by place in the row |
 | palu_snapkv | refused: SnapKV counts a row's tokens in the latent cache |
-| palu_select | refused: it would choose pad tokens |
+| palu_select | equal to each prompt alone (a row chooses among its own tokens; the chosen are read through its mask) |
 """
 import copy
 

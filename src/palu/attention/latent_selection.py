@@ -30,13 +30,18 @@ class LatentSelection:
         heads = attn._query_heads(g)
         return torch.stack([q_pre[:, i] @ Bk[attn._local_kv(i, g)].to(q_pre.dtype) for i in heads], 1)
 
-    def choose(self, q_lat: torch.Tensor, hk_g: torch.Tensor) -> torch.Tensor | None:
-        """Indices (B, n) of the tokens read, in order; None when every token would be."""
+    def choose(self, q_lat: torch.Tensor, hk_g: torch.Tensor,
+               visible: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Indices (B, n) of the tokens read, in order; None when every token would be.
+        `visible` (B, S) bool: a left-padded batch's real tokens; a pad is never preferred to a
+        real token (a row with fewer real tokens than the budget gets pads, which its mask hides)."""
         B, S, r = hk_g.shape
         if S <= self.tokens + self.window:
             return None
         s = r if self.sketch is None else min(self.sketch, r)
         scores = (q_lat[..., :s] @ hk_g[:, None, :, :s].transpose(-1, -2)).sum(1)[:, 0]   # (B, S)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
         older = S - self.window
         top = scores[:, :older].topk(self.tokens, dim=-1).indices
         recent = torch.arange(older, S, device=hk_g.device).expand(B, -1)

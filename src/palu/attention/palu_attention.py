@@ -168,14 +168,9 @@ class PaluAttention(nn.Module):
                              "every cached token. Prefill the prompt in one forward and decode one "
                              "token a step (no assistant_model / prompt_lookup_num_tokens)")
         evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
-        if evicting or self.selection is not None:
+        if evicting:
             from .subset_attention import _check_unpadded
-            if evicting:
-                _check_unpadded(attention_mask, "Palu + SnapKV")
-            else:
-                _check_unpadded(attention_mask, "Palu latent-space selection",
-                                "chooses tokens among every cached one: in a padded batch it would "
-                                "choose pad tokens (a row's answer would depend on the pad id)")
+            _check_unpadded(attention_mask, "Palu + SnapKV")
         out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
                                                            attention_mask)
         if out is not None:   # the kernels served this step
@@ -187,6 +182,10 @@ class PaluAttention(nn.Module):
         if self.geom.rope:   # the keys' rotation, for the torch path only (the kernels rotate on-chip)
             kcos, ksin = (cos, sin) if S == T and past_key_values is None else self._rope_for(kpos, x)
         select = self.selection if T == 1 and past_key_values is not None else None
+        # a padded batch: a row chooses among its own tokens, and reads the chosen through its mask
+        visible = None
+        if select is not None and mask is not None:
+            visible = mask[:, 0, -1] if mask.dtype == torch.bool else mask[:, 0, -1] > -1   # (B, S)
         votes = [] if evicting else None
         outs, heads = [], []
         v_off = 0
@@ -199,7 +198,7 @@ class PaluAttention(nn.Module):
             idx = None
             if select is not None:
                 q_lat = select.query_latents(self, g, q_pre) if self.rebuilds_keys else qg
-                idx = select.choose(q_lat, hk_g)
+                idx = select.choose(q_lat, hk_g, visible)
             if idx is not None and select.recalls is not None:
                 select.record(self._exact_probs(qg, hk_g, hk_all, normed, g, kcos if self.geom.rope else None,
                                                 ksin if self.geom.rope else None), idx)
@@ -226,8 +225,10 @@ class PaluAttention(nn.Module):
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
             if votes is not None:
                 votes.append(window_votes(qg, kg, self.eviction.window, self._sdpa_scale()))
-            z = _sdpa(qg, kg, vg, None if idx is not None else mask, self._sdpa_scale(),
-                      causal=mask is None and T > 1)
+            gmask = mask
+            if idx is not None:   # the chosen tokens' columns of the mask (pads stay hidden)
+                gmask = None if visible is None else visible.gather(1, idx)[:, None, None, :]
+            z = _sdpa(qg, kg, vg, gmask, self._sdpa_scale(), causal=mask is None and T > 1)
             if self.fuse:   # (B, h, T, r) -> (B, T, hidden)
                 outs.append(z.transpose(1, 2).reshape(B, T, -1) @ self._wo(g).T)
             else:

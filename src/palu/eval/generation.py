@@ -118,7 +118,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
         end = next((k + 1 for k, t in enumerate(new[row]) if t in stop), len(new[row]))
         tokens = len(p) + end - 1
         n = (snapshots.bytes_of(row, tokens) if snapshots
-             else _row_bytes(held, tokens, len(prompts), out.shape[1] - 1))
+             else _row_bytes(held, tokens, len(prompts), out.shape[1] - 1, method))
         rows.append((tokenizer.decode(new[row][:end], skip_special_tokens=True), n))
     return rows
 
@@ -147,7 +147,7 @@ class _RowBytes(StoppingCriteria):
                 "tokens": int(tokens)}
 
 
-def _row_bytes(n: dict | None, tokens: int, batch: int, slots: int) -> dict | None:
+def _row_bytes(n: dict | None, tokens: int, batch: int, slots: int, method=None) -> dict | None:
     """A row's share of the batch cache's bytes `n` (`method.cache_nbytes`): what does not grow with the tokens (`fixed`:
     per-layer codebooks), and its `tokens` of the batch x `slots` tokens stored of the rest.
     Exact for the caches that serve padded batches (every other byte belongs to one token of one
@@ -158,4 +158,6 @@ def _row_bytes(n: dict | None, tokens: int, batch: int, slots: int) -> dict | No
     stored, read = n["total"], n.get("read_per_step", n["total"])
     if batch > 1 or tokens != slots:
         stored, read = fixed + (stored - fixed) * share, fixed + (read - fixed) * share
+        if hasattr(method, "row_read_per_step"):   # selection: a row reads a budget of its own tokens
+            read = method.row_read_per_step(n, tokens, batch, slots)
     return {"stored": int(round(stored)), "read_per_step": int(round(read)), "tokens": int(tokens)}

@@ -19,7 +19,7 @@ from .palu import Palu
 class PaluSelect(Palu):
     name = "palu_select"
     one_pass = False
-    padded_batches = False   # chooses tokens per step: pads would be chosen (refused)
+    padded_batches = True    # a row chooses among its own tokens (pads hidden from the choice)
     tokens: int = 256             # tokens read per group beyond the window
     window: int = 32              # newest tokens always read
     sketch: Optional[int] = None  # leading key-latent channels scored (None: all)
@@ -50,11 +50,23 @@ class PaluSelect(Palu):
     def cache_nbytes(self, cache) -> dict:
         n = super().cache_nbytes(cache)
         tokens = cache.get_seq_length()
-        per_channel = n["data"] / max(1, tokens * sum(sum(k) + sum(v) for k, v in self._ranks))
+        per_channel = n["data"] / max(1, tokens * self._channels())
+        return {**n, "read_per_step": self._read(tokens, per_channel) + n["metadata"]}
+
+    def row_read_per_step(self, n: dict, tokens: int, batch: int, slots: int) -> int:
+        """Bytes one row of `tokens` tokens reads per step, in a batch cache of `batch` rows x
+        `slots` tokens whose bytes are `n` (the row chooses among its own tokens only)."""
+        share = tokens / (batch * slots)
+        return self._read(tokens, n["data"] / max(1, batch * slots * self._channels())) + n["metadata"] * share
+
+    def _channels(self) -> int:
+        return sum(sum(k) + sum(v) for k, v in self._ranks)
+
+    def _read(self, tokens: int, per_channel: float) -> int:
+        """The latents a step reads: the sketch of every key, whole latents of the chosen."""
         read_tokens = min(tokens, self.tokens + self.window)
         sketch = sum(sum(min(r, self.sketch or r) for r in k) for k, _ in self._ranks) * tokens
-        full = sum(sum(k) + sum(v) for k, v in self._ranks) * read_tokens
-        return {**n, "read_per_step": int(round((sketch + full) * per_channel)) + n["metadata"]}
+        return int(round((sketch + self._channels() * read_tokens) * per_channel))
 
     def summary(self) -> dict:
         return {**super().summary(), "family": "selection", "tokens": self.tokens, "window": self.window}
