@@ -34,3 +34,26 @@ def prepared_model(tmp_path_factory):
     if not (shared / "config.json").is_file():
         prepare_model(EMBEDDED_ID, shared)
     return shared
+
+
+TINY_CALIB_SEED = 3
+
+
+@pytest.fixture(scope="session")
+def tiny_base():
+    """A tiny random Llama in float64 (2 KV heads), shared by the cache tests (never modified:
+    tests install methods on deep copies)."""
+    from tiny import tiny_llama
+    return tiny_llama(0).double()
+
+
+@pytest.fixture(scope="session")
+def tiny_palu_checkpoint(tiny_base, tmp_path_factory) -> str:
+    """A Palu checkpoint of `tiny_base` (kept 0.5, J-LRD) made once per session."""
+    import copy
+
+    import palu
+    calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(TINY_CALIB_SEED))
+    path = tmp_path_factory.mktemp("palu") / "ckpt"
+    palu.compress(copy.deepcopy(tiny_base), calib, kept_ratio=0.5, group_size=2, progress=False).save(path)
+    return str(path)

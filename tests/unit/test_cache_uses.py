@@ -12,17 +12,14 @@ from palu.methods.base import MethodError
 from tiny import tiny_llama
 
 
-@pytest.fixture(scope="module")
-def base():
-    return tiny_llama(0).double()
+@pytest.fixture
+def base(tiny_base):
+    return tiny_base
 
 
-@pytest.fixture(scope="module")
-def ckpt(base, tmp_path_factory):
-    calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(3))
-    path = tmp_path_factory.mktemp("palu") / "ckpt"
-    palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=2, progress=False).save(path)
-    return str(path)
+@pytest.fixture
+def ckpt(tiny_palu_checkpoint):
+    return tiny_palu_checkpoint
 
 
 def _ids(n, seed, rows=1):

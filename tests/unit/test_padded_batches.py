@@ -17,11 +17,9 @@ import copy
 import pytest
 import torch
 
-import palu
 from palu.calib.kvquant import fit_kvquant
 from palu.eval.generation import answer_batches
 from palu.methods import build_method, method_names
-from tiny import tiny_llama
 
 PAD = 0
 PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
@@ -48,15 +46,14 @@ TABLE: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
-def base():
-    return tiny_llama(0).double()
+def base(tiny_base):
+    return tiny_base
 
 
 @pytest.fixture(scope="module")
-def paths(base, tmp_path_factory):
+def paths(base, tiny_palu_checkpoint, tmp_path_factory):
     calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(3))
-    ckpt = tmp_path_factory.mktemp("palu") / "ckpt"
-    palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=2, progress=False).save(ckpt)
+    ckpt = tiny_palu_checkpoint
     state = tmp_path_factory.mktemp("kvq") / "state"
     fit_kvquant(copy.deepcopy(base), calib, bits=3, weighting="uniform", tokens_per_window=16,
                 progress=False).save(state)

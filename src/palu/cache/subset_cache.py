@@ -89,15 +89,6 @@ class _SubsetLayer(CacheLayerMixin):
         if self.pads is not None:
             self.pads = fn(self.pads)
 
-    def reorder_cache(self, beam_idx) -> None:
-        self.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices) -> None:
-        self.map_rows(lambda t: t[indices])
-
 
 class SubsetKVCache(Cache):
     """The kept keys / values / positions per layer, and how many tokens each layer has seen."""
