@@ -139,11 +139,18 @@ def test_the_long_context_table_and_heatmap(tmp_path):
         longcontext_frame([paths[0], _lc_result(tmp_path, "short", [1.0] * 8)])
 
 
-@pytest.mark.parametrize("which", ["fp16", "palu-4bit", "snapkv"])
+BATCH_METHODS = {"fp16": {"name": "fp16"},
+                 "snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
+                 "h2o": {"name": "h2o", "budget": 48, "window": 8},
+                 "kivi": {"name": "kivi", "bits": 2, "group": 4, "residual": 8}}
+
+
+@pytest.mark.parametrize("which", ["fp16", "palu-4bit", "snapkv", "h2o", "kivi"])
 def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
     """Float64: the needle suite and the document suites (prompts of different lengths and answer
     lengths, several tasks) give the same result at batch 4 as one prompt at a time — answers,
-    scores, intervals and bytes. SnapKV cannot batch exactly: it answers one at a time."""
+    scores, intervals and bytes (an eviction row's own bytes). SnapKV and H2O batch row by row;
+    KIVI cannot batch exactly: it answers one at a time."""
     from palu.eval.documents import Document, evaluate_documents
     from palu.eval.needles import evaluate_needles
     tok = tiny_tokenizer()
@@ -151,8 +158,7 @@ def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
         model, method = _palu_method(tmp_path, 4)
     else:
         model = tiny_llama(0).double()
-        method = build_method({"name": which} if which == "fp16" else
-                              {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1})
+        method = build_method(BATCH_METHODS[which])
         method.install(model)
     filler = ". ".join(" ".join(WORDS[i:i + 8]) for i in range(0, 400, 8)) + "."
     samples = make_samples(tok, filler * 4, KINDS[:2], [90, 150], [0.0, 0.5, 1.0], seed=2)
