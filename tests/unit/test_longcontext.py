@@ -150,7 +150,7 @@ def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
     """Float64: the needle suite and the document suites (prompts of different lengths and answer
     lengths, several tasks) give the same result at batch 4 as one prompt at a time — answers,
     scores, intervals and bytes (an eviction row's own bytes). SnapKV and H2O batch row by row;
-    KIVI cannot batch exactly: it answers one at a time."""
+    KIVI refuses padding: it batches the prompts of one length (unpadded)."""
     from palu.eval.documents import Document, evaluate_documents
     from palu.eval.needles import evaluate_needles
     tok = tiny_tokenizer()

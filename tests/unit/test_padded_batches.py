@@ -186,3 +186,17 @@ def test_generate_without_the_methods_cache_gives_its_answer_or_is_refused(base,
             assert (name.startswith("palu") and method.bits != 16) or not method.one_pass, str(err)
             return
     assert torch.equal(without, through), variant
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, v in VARIANTS if v is not None])
+def test_methods_that_refuse_padding_batch_prompts_of_one_length(base, paths, name, variant):
+    """A method whose cache counts tokens by place in the row (KIVI, KVQuant, the SnapKV
+    compositions) refuses a padded batch, but an unpadded one is exact: `answer_batches` groups
+    prompts of one length, and each row's answer and bytes (taken when the row ends) equal
+    batch 1's."""
+    method, model = _installed(base, paths, name, variant)
+    if method.padded_batches:
+        pytest.skip("batches prompts of any length (the test above)")
+    prompts = [PROMPTS[1], PROMPTS[1][::-1], PROMPTS[0], [7, 7, 8, 9, 10, 11, 12], PROMPTS[2]]
+    batched = answer_batches(model, Tok(), method, prompts, 8, batch_size=4)
+    assert batched == answer_batches(model, Tok(), method, prompts, 8, batch_size=1), variant

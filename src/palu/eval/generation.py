@@ -5,7 +5,8 @@ the cache stores, never from K/V recomputed at full precision.
 `answer_batches` answers many prompts a batch at a time: longest first (the first batch shows
 the worst memory, as lm-eval orders requests), left-padded, one cache per batch. A method whose
 cache keeps every row exactly as that prompt alone (`CacheMethod.padded_batches`) gives each row
-what batch 1 gives; any other method answers one prompt at a time, and says so once.
+what batch 1 gives; any other method batches only prompts of one length (an unpadded batch: every
+row counts its tokens alike), and says so once.
 """
 from __future__ import annotations
 
@@ -45,15 +46,17 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
     if len(news) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(news)} answer lengths")
     size = resolve_batch_size(batch_size, model)
-    if size > 1 and not batchable(method):
-        log.info("%s answers one prompt at a time: its cache does not serve a padded batch exactly",
-                 method.tag)
-        size = 1
+    padded = batchable(method)
+    if size > 1 and not padded:
+        log.info("%s batches only prompts of one length (its cache does not serve a padded batch "
+                 "exactly; an unpadded batch is exact)", method.tag)
     order = sorted(range(len(prompts)), key=lambda i: (-news[i], -len(prompts[i]), i))
     out: list = [None] * len(prompts)
     start = 0
     while start < len(order):
-        group = [i for i in order[start:start + size] if news[i] == news[order[start]]]
+        first = order[start]
+        group = [i for i in order[start:start + size] if news[i] == news[first]
+                 and (padded or len(prompts[i]) == len(prompts[first]))]
         try:
             answers = _generate(model, tokenizer, method, [prompts[i] for i in group], news[group[0]])
         except torch.OutOfMemoryError:
@@ -106,7 +109,9 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     kwargs = {} if cache is None else {"past_key_values": cache}
     stop = eos_ids(model)
     snapshots = None
-    if hasattr(cache, "row"):   # a cache whose rows hold different numbers of tokens (eviction)
+    # a cache whose rows hold different numbers of tokens (eviction), or an unpadded batch of a
+    # method whose bytes are not a per-token share: each row's bytes when that row ends
+    if cache is not None and len(prompts) > 1 and (hasattr(cache, "row") or not batchable(method)):
         snapshots = _RowBytes(method, cache, width, stop, len(prompts))
         kwargs["stopping_criteria"] = StoppingCriteriaList([snapshots])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
@@ -138,12 +143,25 @@ class _RowBytes(StoppingCriteria):
         last = input_ids[:, -1].tolist()
         for b in range(self.rows):
             if b not in self.at_end and last[b] in self.stop:
-                self.at_end[b] = self.method.cache_nbytes(self.cache.row(b))
+                self.at_end[b] = self._row(b)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+    def _row(self, b: int) -> dict:
+        if hasattr(self.cache, "row"):
+            n = self.method.cache_nbytes(self.cache.row(b))
+            return {"stored": n["total"], "read_per_step": n.get("read_per_step", n["total"])}
+        # an unpadded batch: every row holds as many tokens, in tensors of one shape, so a row's
+        # bytes are an even share (per-layer fixed metadata, codebooks, counted once per row)
+        n = self.method.cache_nbytes(self.cache)
+        fixed = n.get("fixed", 0)
+
+        def share(v):
+            return fixed + (v - fixed) / self.rows
+        return {"stored": share(n["total"]), "read_per_step": share(n.get("read_per_step", n["total"]))}
+
     def bytes_of(self, row: int, tokens: int) -> dict:
-        n = self.at_end.get(row) or self.method.cache_nbytes(self.cache.row(row))
-        return {"stored": int(n["total"]), "read_per_step": int(n.get("read_per_step", n["total"])),
+        n = self.at_end.get(row) or self._row(row)
+        return {"stored": int(round(n["stored"])), "read_per_step": int(round(n["read_per_step"])),
                 "tokens": int(tokens)}
 
 
