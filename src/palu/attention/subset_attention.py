@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache.subset_cache import FILLER, SubsetKVCache, SubsetPolicy, gather_slots, real_slots
+from ..cache.subset_cache import FILLER, SubsetKVCache, SubsetPolicy, gather_slots, real_slots, slots_of
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .full_heads import FullHeads
 
@@ -69,6 +69,8 @@ class SubsetKVAttention(FullHeads):
             keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=first and T > 1, scale=scale)
         elif not (first or policy.keeps_after_prefill):
             keep = None
+        elif (held := policy.held(positions, seen + T - pads)) is not None:   # every row at once
+            keep = slots_of(held)
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
                 self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),

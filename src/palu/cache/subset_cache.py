@@ -45,6 +45,12 @@ class SubsetPolicy:
         selection, Quest); None reads every kept token."""
         return None
 
+    def held(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
+        """A rule that needs no scores: (B, H, S) bool of the tokens to hold, from their positions
+        (FILLER: none) and each row's tokens seen (B,); None: the policy has no such rule and
+        decides row by row (`keep`). Padded batches use it to decide every row at once."""
+        return None
+
     def map_rows(self, layer: int, fn) -> None:
         """Apply `fn` (a reordering, repetition or selection of the batch axis, dim 0) to any state
         the policy holds per row of `layer` (H2O's accumulated scores); default: none held."""
@@ -185,3 +191,16 @@ def real_slots(positions: torch.Tensor) -> torch.Tensor:
 def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """`t` (B, H, S, d) at slot indices `idx` (B, H, n)."""
     return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+
+def slots_of(held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(B, H, n) slot indices of the held tokens, rows holding fewer than the most led by filler
+    slots, and the (B, H, n) filler flags; None when every slot is held."""
+    if bool(held.all()):
+        return None
+    counts = held.sum(-1)                                            # (B, H)
+    width = int(counts.max())
+    # held slots sort last, in slot order: a stable sort of the flags
+    order = torch.sort(held.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
+    fillers = torch.arange(width, device=held.device) < (width - counts)[..., None]   # (B, H, n)
+    return order, fillers

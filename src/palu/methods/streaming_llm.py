@@ -21,6 +21,10 @@ class StreamingPolicy(SubsetPolicy):
         q, k = q_pos[..., None], k_pos[..., None, :]
         return (k <= q) & ((k < self.sink) | (q - k < self.window))
 
+    def held(self, positions, seen):
+        pos, seen = positions, seen.view(-1, 1, 1)
+        return (pos >= 0) & ((pos < self.sink) | (pos > seen - self.window))
+
     def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
         # what the next query (position `seen`) may see
         held = (positions[0, 0] < self.sink) | (positions[0, 0] > seen - self.window)
