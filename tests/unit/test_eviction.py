@@ -384,3 +384,30 @@ def test_generate_through_each_cache_is_greedy_decoding_through_it(conf):
             seq = torch.cat([seq, nxt], 1)
             logits = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1]
     assert torch.equal(out, seq) and cache.get_seq_length() == 24
+
+
+@pytest.mark.parametrize("policy", ["tova", "streaming_llm"])
+def test_a_padded_batch_decides_every_row_at_once_as_each_row_alone(policy):
+    """`keep_padded` (every row of a padded batch at once) holds exactly what `keep` holds for
+    each row alone over its own tokens, even when the filler slots would win every vote (keys 50x
+    larger): a filler is never held in place of a token."""
+    from palu.cache.subset_cache import FILLER, gather_slots, real_slots
+    from palu.methods.streaming_llm import StreamingPolicy
+    from palu.methods.tova import TovaPolicy
+    pol = TovaPolicy(budget=5) if policy == "tova" else StreamingPolicy(sink=2, window=4)
+    g = torch.Generator().manual_seed(0)
+    B, H, n_rep, S, d = 3, 2, 2, 11, 8
+    pads = torch.tensor([0, 3, 8])
+    keys = torch.randn(B, H, S, d, generator=g, dtype=torch.float64)
+    q = torch.randn(B, H * n_rep, 1, d, generator=g, dtype=torch.float64)
+    slot = torch.arange(S).expand(B, H, S)
+    positions = (slot - pads.view(B, 1, 1)).masked_fill(slot < pads.view(B, 1, 1), FILLER).to(torch.int32)
+    keys = torch.where((positions < 0)[..., None], 50 * keys, keys)
+    held = pol.keep_padded(0, q, keys, positions, S - pads)
+    for b in range(B):
+        idx = real_slots(positions[b:b + 1])
+        alone = pol.keep(0, q[b:b + 1], gather_slots(keys[b:b + 1], idx), positions[b:b + 1].gather(2, idx),
+                         int(S - pads[b]), prefill=False)
+        kept = idx if alone is None else idx.gather(2, alone)
+        want = torch.zeros(1, H, S, dtype=torch.bool).scatter_(-1, kept, True)
+        assert torch.equal(held[b:b + 1], want), (policy, b)

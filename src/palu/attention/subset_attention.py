@@ -69,7 +69,8 @@ class SubsetKVAttention(FullHeads):
             keep = policy.keep(self.layer_idx, q, keys, positions, seen + T, prefill=first and T > 1, scale=scale)
         elif not (first or policy.keeps_after_prefill):
             keep = None
-        elif (held := policy.held(positions, seen + T - pads)) is not None:   # every row at once
+        elif (held := policy.keep_padded(self.layer_idx, q, keys, positions, seen + T - pads,
+                                         scale=scale)) is not None:            # every row at once
             keep = slots_of(held)
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(

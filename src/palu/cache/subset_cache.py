@@ -45,10 +45,12 @@ class SubsetPolicy:
         selection, Quest); None reads every kept token."""
         return None
 
-    def held(self, positions: torch.Tensor, seen: torch.Tensor) -> torch.Tensor | None:
-        """A rule that needs no scores: (B, H, S) bool of the tokens to hold, from their positions
-        (FILLER: none) and each row's tokens seen (B,); None: the policy has no such rule and
-        decides row by row (`keep`). Padded batches use it to decide every row at once."""
+    def keep_padded(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+                    seen: torch.Tensor, scale: float | None = None) -> torch.Tensor | None:
+        """`keep` for every row of a padded batch at once: (B, H, S) bool of the tokens to hold,
+        each row deciding over its own tokens (position FILLER: not a token of the row) as `keep`
+        would for the row alone; `seen` (B,) each row's tokens seen. None: no such rule, the
+        batch decides row by row (`keep`, one call per row)."""
         return None
 
     def map_rows(self, layer: int, fn) -> None:

@@ -21,7 +21,7 @@ class StreamingPolicy(SubsetPolicy):
         q, k = q_pos[..., None], k_pos[..., None, :]
         return (k <= q) & ((k < self.sink) | (q - k < self.window))
 
-    def held(self, positions, seen):
+    def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
         pos, seen = positions, seen.view(-1, 1, 1)
         return (pos >= 0) & ((pos < self.sink) | (pos > seen - self.window))
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..cache.subset_cache import SubsetPolicy
 from .base import check_int
 from .token_subset import TokenSubset
@@ -26,6 +28,20 @@ class TovaPolicy(SubsetPolicy):
         weights = ((last @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)).softmax(-1)
         votes = weights[:, :, 0].view(B, H, n_rep, S).mean(2)                # (B, H, S)
         return votes.topk(self.budget, dim=-1).indices.sort(-1).values
+
+    def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
+        real = positions >= 0                                                # (B, H, S)
+        B, H, S, d = keys.shape
+        if S <= self.budget:
+            return real
+        n_rep = queries.shape[1] // H
+        k = keys.repeat_interleave(n_rep, 1)
+        logits = (queries[:, :, -1:] @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
+        logits = logits.masked_fill(~real.repeat_interleave(n_rep, 1)[:, :, None], float("-inf"))
+        votes = logits.softmax(-1)[:, :, 0].view(B, H, n_rep, S).mean(2)     # a row's own softmax
+        top = votes.masked_fill(~real, -1.0).topk(self.budget, dim=-1).indices
+        # a row with no more tokens than the budget keeps them all (its top-k takes fillers too)
+        return torch.zeros_like(real).scatter_(-1, top, True) & real
 
 
 @dataclass
