@@ -89,9 +89,8 @@ class SubsetKVAttention(FullHeads):
 def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: bool = False):
     """A policy's decision for a padded batch, row by row over each row's own tokens (its real
     slots and queries, its own seen count and policy state), as the row's prompt alone would
-    decide it. keep: (B, H, n) slot indices and (B, 1, n) filler flags (rows that keep fewer
-    than the longest are led by filler slots); select: (B, H, S) bool. None: every row keeps
-    (reads) all."""
+    decide it. keep: (B, H, n) slot indices and their filler flags (`slots_of`); select:
+    (B, H, S) bool. None: every row keeps (reads) all."""
     rows, any_change = [], False
     for b in range(B):
         idx = real_slots(positions[b:b + 1])                                   # (1, H, n_b)
@@ -102,19 +101,15 @@ def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: boo
         rows.append((idx, got))
     if not any_change:
         return None
-    if select:
-        chosen = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
-        for b, (idx, got) in enumerate(rows):
-            chosen[b].scatter_(-1, idx[0], True if got is None else got[0])
-        return chosen
-    kept = [idx[0] if got is None else idx[0].gather(-1, got[0]) for idx, got in rows]   # (H, k_b)
-    width = max(t.shape[-1] for t in kept)
-    out = torch.zeros(B, positions.shape[1], width, dtype=torch.long, device=positions.device)
-    fillers = torch.ones(B, 1, width, dtype=torch.bool, device=positions.device)
-    for b, t in enumerate(kept):
-        out[b, :, width - t.shape[-1]:] = t
-        fillers[b, :, width - t.shape[-1]:] = False
-    return out, fillers
+    chosen = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
+    for b, (idx, got) in enumerate(rows):   # a row's chosen slots (its kept or read tokens)
+        if got is None:
+            chosen[b].scatter_(-1, idx[0], True)
+        elif select:
+            chosen[b].scatter_(-1, idx[0], got[0])
+        else:
+            chosen[b].scatter_(-1, idx[0].gather(-1, got[0]), True)
+    return chosen if select else slots_of(chosen)
 
 
 def left_pads(attention_mask, B: int, T: int, name: str):

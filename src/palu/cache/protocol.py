@@ -113,3 +113,21 @@ class TensorLatents:
 
     def kernel_positions(self) -> dict:
         return {"kpos": self._positions, "contiguous": None}
+
+
+class RowEdits:
+    """Beam search and batch edits (`reorder_cache`, `batch_repeat_interleave`,
+    `batch_select_indices`) through one `_map_rows(fn)` that applies `fn` to every per-row tensor
+    (batch axis first), so a cache's rows move whole."""
+
+    def _map_rows(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices) -> None:
+        self._map_rows(lambda t: t[indices])

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .protocol import RowEdits
+
 NEVER = 2 ** 62   # quantised_at of a token that stays in the model's dtype
 
 
@@ -161,7 +163,7 @@ def _lookup(index: torch.Tensor, n: int, dev) -> torch.Tensor:
     return where
 
 
-class QuantKVLayer(CacheLayerMixin):
+class QuantKVLayer(RowEdits, CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
@@ -271,20 +273,11 @@ class QuantKVLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def _map(self, fn) -> None:
+    def _map_rows(self, fn) -> None:
         self.k.map(fn)
         self.v.map(fn)
         if self.positions is not None:
             self.positions = fn(self.positions)
-
-    def reorder_cache(self, beam_idx) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices) -> None:
-        self._map(lambda t: t[indices])
 
     def nbytes(self) -> dict:
         k, v = self.k.nbytes(), self.v.nbytes()

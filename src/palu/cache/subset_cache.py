@@ -21,6 +21,8 @@ import copy
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .protocol import RowEdits
+
 
 class SubsetPolicy:
     """What a token-subset method decides. Subclasses override `keep` (and `visible`)."""
@@ -98,7 +100,7 @@ class _SubsetLayer(CacheLayerMixin):
             self.pads = fn(self.pads)
 
 
-class SubsetKVCache(Cache):
+class SubsetKVCache(RowEdits, Cache):
     """The kept keys / values / positions per layer, and how many tokens each layer has seen."""
 
     def __init__(self, policy: SubsetPolicy, num_layers: int, owner: str):
@@ -114,6 +116,7 @@ class SubsetKVCache(Cache):
         return self.row_policies[row]
 
     def _map_rows(self, fn) -> None:
+        """Beam search and batch edits: every layer's rows and the policy's per-row state."""
         for i, lay in enumerate(self.layers):
             lay.map_rows(fn)
             self.policy.map_rows(i, fn)
@@ -142,16 +145,6 @@ class SubsetKVCache(Cache):
                 k, v, pos = gather_slots(k, idx), gather_slots(v, idx), pos.gather(2, idx)
             out.store(i, k, v, pos, lay.seen - pads)
         return out
-
-    def reorder_cache(self, beam_idx) -> None:
-        """Beam search: every layer's rows and the policy's per-row state follow `beam_idx`."""
-        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices) -> None:
-        self._map_rows(lambda t: t[indices])
 
     def held(self, layer: int):
         lay = self.layers[layer]

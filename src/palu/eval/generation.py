@@ -112,7 +112,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     # a cache whose rows hold different numbers of tokens (eviction), or an unpadded batch of a
     # method whose bytes are not a per-token share: each row's bytes when that row ends
     if cache is not None and len(prompts) > 1 and (hasattr(cache, "row") or not batchable(method)):
-        snapshots = _RowBytes(method, cache, width, stop, len(prompts))
+        snapshots = _RowBytes(method, cache, stop, len(prompts))
         kwargs["stopping_criteria"] = StoppingCriteriaList([snapshots])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
@@ -133,9 +133,9 @@ class _RowBytes(StoppingCriteria):
     alone (`cache.row(b)`): an eviction cache's rows keep different numbers of tokens, and a
     finished row goes on decoding pad tokens until the batch ends. Stops nothing."""
 
-    def __init__(self, method, cache, width: int, stop: set, rows: int):
+    def __init__(self, method, cache, stop: set, rows: int):
         super().__init__()
-        self.method, self.cache, self.width, self.stop = method, cache, width, stop
+        self.method, self.cache, self.stop = method, cache, stop
         self.at_end: dict[int, dict] = {}
         self.rows = rows
 
