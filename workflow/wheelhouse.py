@@ -155,17 +155,26 @@ def plan(needs: dict[str, list], pins: dict[str, str], host_has: dict[str, str])
     return provided, ship
 
 
+def drop_stale(out: Path, kept: set[str]) -> list[str]:
+    """Delete the wheels an earlier build of this wheelhouse listed (its wheelhouse.json) that
+    this one no longer ships; any other file in the folder is left alone."""
+    record = out / "wheelhouse.json"
+    earlier = json.loads(record.read_text())["packages"] if record.is_file() else []
+    gone = [p["file"] for p in earlier if p["file"] not in kept and Path(p["file"]).name == p["file"]]
+    for name in gone:
+        (out / name).unlink(missing_ok=True)
+    return gone
+
+
 def build(out: Path, host: Path | None, python: str, platforms: list[str], jobs: int) -> dict:
     start = time.perf_counter()
     pins = read_pins(ROOT / "requirements" / "constraints.txt")
     needs = closure(python)
     provided, ship = plan(needs, pins, read_pins(host) if host else {})
     out.mkdir(parents=True, exist_ok=True)
-    stale = [p for p in out.glob("*.whl") if norm(p.name.split("-")[0]) not in ship]
-    for p in stale:   # a wheel of an earlier build that is no longer needed (only our own *.whl)
-        p.unlink()
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         files = dict(zip(ship, pool.map(lambda n: _pip_download(n, pins[n], out, python, platforms), ship)))
+    drop_stale(out, {f.name for f, _ in files.values()})
     packages = [{"name": n, "version": pins[n], "file": f.name, "sha256": sha256(f), "bytes": f.stat().st_size,
                  "built_here": built} for n, (f, built) in files.items()]
     (out / "requirements.txt").write_text("".join(f"{p['name']}=={p['version']} --hash=sha256:{p['sha256']}\n"

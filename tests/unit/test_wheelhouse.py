@@ -47,3 +47,16 @@ def test_install_refuses_another_python_and_a_damaged_wheel(tmp_path):
     with pytest.raises(SystemExit, match="sha256 differs .*damaged in transit"):
         wheelhouse.install(house, tmp_path / "site")
     assert not (tmp_path / "site").exists()
+
+
+def test_a_rebuild_deletes_only_the_wheels_its_earlier_build_wrote(tmp_path):
+    """A wheel of the user's in the folder stays; a wheel the last build listed and this one no
+    longer ships goes (a listed name with a path in it is never followed)."""
+    for name in ("old-1.0-py3-none-any.whl", "mine-2.0-py3-none-any.whl", "kept-1.0-py3-none-any.whl"):
+        (tmp_path / name).write_bytes(b"x")
+    (tmp_path / "wheelhouse.json").write_text(json.dumps({"packages": [
+        {"file": "old-1.0-py3-none-any.whl"}, {"file": "kept-1.0-py3-none-any.whl"}, {"file": "../escape.whl"}]}))
+    (tmp_path.parent / "escape.whl").write_bytes(b"x")
+    assert wheelhouse.drop_stale(tmp_path, {"kept-1.0-py3-none-any.whl"}) == ["old-1.0-py3-none-any.whl"]
+    assert sorted(p.name for p in tmp_path.glob("*.whl")) == ["kept-1.0-py3-none-any.whl", "mine-2.0-py3-none-any.whl"]
+    assert (tmp_path.parent / "escape.whl").exists()
