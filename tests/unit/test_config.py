@@ -118,6 +118,21 @@ def test_grids_parse():
         Grid({"model": "x", "calibration": {}, "fisher": {}, "typo": 1})
 
 
+def test_a_grid_dtype_reaches_every_step_and_every_tag():
+    """`dtype: float16` (a GPU grid) is given to every step and named in every path, so a
+    float16 result never lands where a float32 one of the same settings lies."""
+    from palu.pipeline.grid import Grid
+    raw = yaml.safe_load((Path(CONF_DIR) / "grid" / "default.yaml").read_text())
+    plain, half = Grid(raw), Grid({**raw, "dtype": "float16"})
+    assert "model.dtype=float16" in half.common_overrides()
+    assert not any(o.startswith("model.dtype") for o in plain.common_overrides())
+    assert "float16" in half.ctag and "float32" in plain.ctag
+    assert set(half.zeroshot_files()).isdisjoint(plain.zeroshot_files())
+    assert set(half.longcontext_files()).isdisjoint(plain.longcontext_files())
+    with pytest.raises(ValueError, match="grid dtype='half'"):
+        Grid({**raw, "dtype": "half"})
+
+
 # issue 21's tables as default.yaml describes them (commented out there until their results land)
 FACTORS = {"kept_ratios": [0.5], "group_sizes": [1, "kv_heads"], "decompositions": ["whitened", "attention"],
            "rank_method": "uniform", "corpora": ["wiki_standin"]}

@@ -169,6 +169,7 @@ class Config:
     progress: bool = True
 
 
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 _CHOICES = {
     "palu.rank_method": RANK_METHODS,
     "palu.decomposition": DECOMPOSITIONS,
@@ -176,7 +177,7 @@ _CHOICES = {
     "palu.head_order": HEAD_ORDERS,
     "tracking.mode": ("offline", "online", "disabled"),
     "tracking.upload": ("none", "small", "all"),
-    "model.dtype": ("float32", "float16", "bfloat16", "float64"),
+    "model.dtype": DTYPES,
     "data.bos": BOS_SETTINGS,
     "calibration.bos": BOS_SETTINGS,
 }

@@ -21,11 +21,11 @@ from palu.calib.fisher import FisherWindows
 from palu.decompose.checkpoint import rotation_tag
 from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
-from palu.pipeline.config import CONF_DIR, CalibrationConfig, DataConfig
+from palu.pipeline.config import CONF_DIR, DTYPES, CalibrationConfig, DataConfig
 from palu.pipeline.grid_sections import GridSections
 from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of, shell_join
 
-_KEYS = {"model", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
+_KEYS = {"model", "dtype", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
          "memory", "quantization", "zeroshot", "longcontext", "resources", "factors",
          "recovery", "byte_budget"}
@@ -77,7 +77,11 @@ class Grid(GridSections):
         self.fisher = settings_of(FisherWindows, config["fisher"], "fisher")
         # evaluation windows; the corpus is each evaluation's own
         self.data = settings_of(DataConfig, config["eval"], "eval", drop=("corpora",))
-        self.dtype = self.model_conf().dtype
+        # the grid's `dtype:` (e.g. float16 on a GPU) over the model's; it is in every tag, so
+        # results of another precision never share a path
+        self.dtype = config.get("dtype") or self.model_conf().dtype
+        if self.dtype not in DTYPES:
+            raise ValueError(f"grid dtype={self.dtype!r} is not one of {list(DTYPES)}")
         cal, fis = self.calibration, self.fisher
         self.ctag = naming.calibration_tag(cal["corpus"], cal["samples"], cal["seqlen"], cal["seed"],
                                            self.dtype, cal["bos"])
@@ -133,6 +137,7 @@ class Grid(GridSections):
         return [shlex.quote(x) for x in
                 [f"model={self.model}", f"tracking={self.tracking.mode}", f"device={self.device}",
                  f"paths.work={self.work}", f"paths.results={self.results}",
+                 *([f"model.dtype={self.dtype}"] if self.config.get("dtype") else []),
                  *hydra_overrides("calibration", self.calibration), *hydra_overrides("fisher", self.fisher),
                  *hydra_overrides("data", data), f"palu.rank_multiple={self.config['rank_multiple']}"]]
 
