@@ -159,20 +159,34 @@ def test_the_zero_shot_table_pairs_methods_with_fp16(tmp_path):
         zeroshot_frame([paths[0], _result(tmp_path, "other", {"piqa": ref["piqa"]}, tasks=("piqa",))])
 
 
-@pytest.mark.parametrize("which", ["palu-b4", "kivi-b2"])
+ONE_PASS = {"kivi-b2": {"name": "kivi", "bits": 2, "group": 4, "residual": 4},
+            "kvquant-b3": {"name": "kvquant", "state": "STATE"},
+            "atom-b4": {"name": "atom", "bits": 4}, "turboquant-b3": {"name": "turboquant", "bits": 3},
+            "streaming_llm": {"name": "streaming_llm", "sink": 1, "window": 4}}
+
+
+@pytest.mark.parametrize("which", ["palu-b4", *ONE_PASS])
 def test_loglikelihoods_in_batches_equal_one_request_at_a_time(tmp_path, which):
-    """lm-eval right-pads a batch of requests and passes no mask: a per-token cache scores each
-    row as alone (float64, 1e-9); KIVI, which refuses padded batches, is kept at batch 1."""
+    """lm-eval right-pads a batch of requests and passes no mask: every row starts at token 0
+    and no real token sees a pad, so every one-pass method (KIVI's window and key blocks and
+    KVQuant's sink included) scores each row as alone (float64, 1e-9) through real lm-eval."""
     tok = tiny_tokenizer()
     if which == "palu-b4":
         model, _, method = _palu_models(tmp_path, bits=4)
     else:
-        model, method = tiny_llama(0).double(), build_method({"name": "kivi", "bits": 2, "group": 4, "residual": 4})
+        model, conf = tiny_llama(0).double(), dict(ONE_PASS[which])
+        if conf.get("state") == "STATE":
+            from palu.calib.kvquant import fit_kvquant
+            calib = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(3))
+            fit_kvquant(copy.deepcopy(model), calib, bits=3, weighting="uniform", tokens_per_window=16,
+                        progress=False).save(tmp_path / "state")
+            conf["state"] = str(tmp_path / "state")
+        method = build_method(conf)
         method.install(model)
     pairs = PAIRS + [("the", " city"), ("it was the time of the people in the house that she said", " no")]
     one = _loglikelihoods(method_lm(model, tok, method), pairs)
     lm = method_lm(model, tok, method, batch_size=4)
-    assert lm.batch_size == (4 if which == "palu-b4" else 1)
+    assert lm.batch_size == 4
     assert np.allclose(_loglikelihoods(lm, pairs), one, rtol=0, atol=1e-9)
     with pytest.raises(ValueError, match="zeroshot.batch_size=0"):
         method_lm(model, tok, method, batch_size=0)

@@ -4,10 +4,13 @@ The paper's six tasks (Table 1) come as task YAMLs in `lmeval_tasks/` backed by 
 validation splits (`source="embedded"`), or as lm-eval's standard tasks for users with hub
 access (`source="hub"`). A batch of requests (context + one answer choice each, right-padded by
 lm-eval, which passes no attention mask) is one prefill into a fresh `method.make_cache(model)`,
-exactly as perplexity windows are: the logits are those the cache lets the model see. Batches of
-more than one request are used only for methods whose cache is held to serving every row as
-alone (`CacheMethod.padded_batches`, tests/unit/test_padded_batches.py); the others (KIVI,
-KVQuant: they refuse padded batches) score one request at a time.
+exactly as perplexity windows are: the logits are those the cache lets the model see. Every
+method with a one-pass score batches requests exactly, KIVI and KVQuant included (which refuse a
+left-padded batch): lm-eval pads loglikelihood batches on the right (`pad_and_concat(...,
+padding_side="right")`; tests/unit/test_zeroshot.py compares batch 4 with batch 1 through real
+lm-eval for every one-pass method), so every row starts at token 0 (a sink, a window
+and key blocks fall where they fall alone), and under causal attention no real token sees a pad
+(tests/unit/test_padded_batches.py, right padding without a mask, over every method).
 The first `limit` documents of each validation split are scored, the same ones for every
 method, so differences are paired.
 """
@@ -45,15 +48,11 @@ def lm_eval_name(task: str, source: str) -> str:
 def method_lm(model, tokenizer, method=None, batch_size: int | str = 1):
     """An lm-eval `HFLM` around `model` whose every forward runs through `method`'s cache,
     `batch_size` requests at a time (an int or "auto": lm-eval's search from the longest batch
-    down) where the method batches exactly, one at a time otherwise."""
+    down), right-padded as lm-eval pads (the module docstring: exact for every one-pass method)."""
     from ..methods.base import check_one_pass
-    from .generation import batchable, check_batch_size
+    from .generation import check_batch_size
     check_one_pass(method, "loglikelihood")
     check_batch_size(batch_size, "zeroshot.batch_size")
-    if batch_size != 1 and not batchable(method):
-        log.info("%s scores one request at a time: its cache does not serve a padded batch exactly",
-                 method.tag)
-        batch_size = 1
     from lm_eval.models.huggingface import HFLM
 
     class MethodLM(HFLM):
