@@ -92,3 +92,18 @@ def test_real_corpora_are_read_from_the_local_cache_only(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     assert _hf("wikitext2", "wikitext", "wikitext-2-raw-v1") == "cached" and seen["offline"] == "1"
+
+
+def test_the_mix_corpus_holds_both_domains_part_by_part():
+    """mix_standin alternates the two stand-ins' documents: its calibration part is exactly
+    their calibration parts (nothing of either evaluation part), its evaluation part theirs."""
+    from palu.data.corpora import load_corpus
+    wiki, novels, mix = (load_corpus(n) for n in ("wiki_standin", "novels_standin", "mix_standin"))
+    for part in ("calibration_text", "evaluation_text"):
+        docs = getattr(mix, part).split("\n\n")
+        expected = getattr(wiki, part).split("\n\n") + getattr(novels, part).split("\n\n")
+        assert sorted(docs) == sorted(expected), part
+        # alternating: the first documents come from both sources
+        head = set(docs[:2])
+        assert head & set(getattr(wiki, part).split("\n\n")) and head & set(getattr(novels, part).split("\n\n"))
+    assert not set(mix.calibration_text.split("\n\n")) & set(mix.evaluation_text.split("\n\n"))

