@@ -155,3 +155,23 @@ def test_reordering_a_padded_batch_moves_each_rows_own_state(base):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.positions, lb.positions) and la.seen == lb.seen
     assert all(torch.equal(a.policy.scores[i], b.policy.scores[i]) for i in b.policy.scores)
     assert before.row(0).layers[0].seen == 8 and before.row(1).layers[0].seen == 13
+
+
+@pytest.mark.parametrize("conf", [{"name": "kivi", "bits": 2, "group": 4, "residual": 4}])
+def test_beam_search_through_a_padded_quantised_batch_is_each_prompt_alone(base, conf):
+    """KIVI's cache keeps a left-padded batch's rows apart (a row layer each, its real tokens
+    only); beam search reorders and repeats those row layers whole (a repeated row is a copy), so
+    each row's beams are those of its prompt alone."""
+    method = build_method(conf)
+    model = copy.deepcopy(base)
+    method.install(model)
+    short, long_ = [5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70]
+    ids = torch.tensor([[0] * 5 + short, long_])
+    mask = torch.tensor([[0] * 5 + [1] * 7, [1] * 12])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=3, do_sample=False,
+                             pad_token_id=0, past_key_values=method.make_cache(model))
+        for row, prompt in enumerate((short, long_)):
+            alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, num_beams=3, do_sample=False,
+                                   pad_token_id=0, past_key_values=method.make_cache(model))
+            assert out[row, 12:].tolist() == alone[0, len(prompt):].tolist(), row

@@ -262,6 +262,32 @@ def test_each_row_of_a_left_padded_batch_generates_what_its_prompt_does_alone(fa
             assert (batch[row, len(alone):] == 0).all(), (family, method.tag, row)
 
 
+def test_kivi_keeps_a_left_padded_batchs_rows_apart_on_every_family(family):
+    """KIVI counts a row's tokens (window, key blocks): its cache keeps a padded batch's rows
+    apart, exact on every new family; on sliding-window layers (Gemma-3) it refuses by name."""
+    base = FAMILIES[family](0).double()
+    method = build_method({"name": "kivi", "bits": 2, "group": 4, "residual": 4})
+    model = copy.deepcopy(base)
+    method.install(model)
+    n = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in PROMPTS])
+
+    def generate(x, m=None):
+        with torch.no_grad():
+            return model.generate(x, attention_mask=m, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                  past_key_values=method.make_cache(model))
+    from palu.models.adapters import layer_window
+    if any(layer_window(model.config, i) for i in range(model.config.num_hidden_layers)):
+        with pytest.raises(ValueError, match="sliding-window layer"):
+            generate(ids, mask)
+        return
+    batch = generate(ids, mask)[:, n:]
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(torch.tensor([prompt]))[0, len(prompt):]
+        assert torch.equal(batch[row, :len(alone)], alone), (family, row)
+
+
 ROPES = {
     "qwen3-linear": ("qwen3", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
     "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.protocol import left_pads
 from ..cache.subset_cache import FILLER, SubsetKVCache, SubsetPolicy, gather_slots, real_slots, slots_of
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .full_heads import FullHeads
@@ -110,22 +111,6 @@ def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: boo
         else:
             chosen[b].scatter_(-1, idx[0].gather(-1, got[0]), True)
     return chosen if select else slots_of(chosen)
-
-
-def left_pads(attention_mask, B: int, T: int, name: str):
-    """(B,) left pads of a batch's first step from its mask (a column no query sees is a pad),
-    None when no row is padded. Padding anywhere but at a row's start is refused by name."""
-    if attention_mask is None:
-        return None
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1
-    seen_by_some = (visible.any(-2) if visible.dim() == 4 else visible).reshape(B, -1)[:, -T:]
-    if bool(seen_by_some.all()):
-        return None
-    pads = (~seen_by_some).long().cumprod(-1).sum(-1)                          # leading pads
-    if not bool((seen_by_some.sum(-1) == T - pads).all()):
-        raise ValueError(f"{name} serves left-padded batches: a row's pad tokens must all come "
-                         "before its first token (pad on the left; tokenizer.padding_side='left')")
-    return pads
 
 
 def _check_unpadded(attention_mask, name: str,

@@ -115,6 +115,22 @@ class TensorLatents:
         return {"kpos": self._positions, "contiguous": None}
 
 
+def left_pads(attention_mask, B: int, T: int, name: str):
+    """(B,) left pads of a batch's first step from its mask (a column no query sees is a pad),
+    None when no row is padded. Padding anywhere but at a row's start is refused by name."""
+    if attention_mask is None:
+        return None
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask > -1
+    seen_by_some = (visible.any(-2) if visible.dim() == 4 else visible).reshape(B, -1)[:, -T:]
+    if bool(seen_by_some.all()):
+        return None
+    pads = (~seen_by_some).long().cumprod(-1).sum(-1)                          # leading pads
+    if not bool((seen_by_some.sum(-1) == T - pads).all()):
+        raise ValueError(f"{name} serves left-padded batches: a row's pad tokens must all come "
+                         "before its first token (pad on the left; tokenizer.padding_side='left')")
+    return pads
+
+
 class RowEdits:
     """Beam search and batch edits (`reorder_cache`, `batch_repeat_interleave`,
     `batch_select_indices`) through one `_map_rows(fn)` that applies `fn` to every per-row tensor

@@ -23,18 +23,21 @@ Pre-RoPE keys (KVQuant): the cache also keeps the token positions, and attention
 keys it reads (`QuantKVView.key_positions`).
 
 Padded batches: a method that codes each token from itself alone (no sink, no window, blocks of
-one token) gives every row of a padded batch what that prompt gets alone. One that counts tokens
-(a sink, a window, blocks of several tokens) would count the pad tokens of a row too, and code
-its real tokens otherwise than alone; its cache refuses a padded batch (`step`).
+one token) gives every row of a padded batch what that prompt gets alone, in one set of tensors.
+One that counts tokens (a sink, a window, blocks of several tokens: KIVI, KVQuant) would count a
+row's pad tokens too; for a left-padded batch its layer holds one row layer per row instead, each
+storing only that row's real tokens (sink, window and blocks counted from the row's first token,
+as alone), and a step's view is the rows' views side by side, filler columns masked (`_step_rows`).
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .protocol import RowEdits
+from .protocol import RowEdits, left_pads
 
 NEVER = 2 ** 62   # quantised_at of a token that stays in the model's dtype
 
@@ -175,6 +178,11 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         self.schedule, self.layer_idx, self.keep_positions = schedule, layer, keep_positions
         self.positions: torch.Tensor | None = None
         self.evicted = 0   # tokens seen but no longer held (a prefill-eviction composition)
+        # a left-padded batch of a method that counts tokens: one layer per row, its real tokens
+        # only; `pads` each row's left pad, `width` the batch's tokens seen (pads included)
+        self.rows: list[QuantKVLayer] | None = None
+        self.pads: list[int] = []
+        self.width = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -199,14 +207,10 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
         n0 = self.k.n
-        if self.counts_tokens and hides_causal_keys(attention_mask, n0, T, window):
-            raise ValueError(
-                f"{owner or 'this quantised cache'}: a padded batch (the attention mask hides "
-                f"tokens): this method keeps tokens exact or groups them by their place in the "
-                f"sequence (sink {self.schedule.sink}, window {self.schedule.window}, key blocks "
-                f"of {self.k.codec.block}), so a row's pad tokens would change how its real "
-                f"tokens are coded. Run each prompt alone (batch size 1, no padding), or use a "
-                f"per-token method (atom, turboquant, palu)")
+        if self.rows is None and self.counts_tokens and hides_causal_keys(attention_mask, n0, T, window):
+            self._split_rows(attention_mask, B, T, n0, window, owner)
+        if self.rows is not None:
+            return self._step_rows(keys, values, positions, owner)
         n1, dev = n0 + T, keys.device
         kf, kfi, kq, kqi = self.k.step(keys)
         vf, vfi, vq, vqi = self.v.step(values)
@@ -252,6 +256,10 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if self.keep_positions:
             raise TypeError("a pre-RoPE quantised cache cannot evict: its keys are rotated at "
                             "positions kept per token, not per KV head")
+        if self.rows is not None:
+            raise ValueError("a padded batch: prefill eviction over a quantised cache chooses among "
+                             "a row's pad tokens too (SnapKV scores the batch's last queries). Run "
+                             "each prompt alone, or batch prompts of one length")
         self.k = _Stream(self.k.codec, self.schedule, self.layer_idx)
         self.v = _Stream(self.v.codec, self.schedule, self.layer_idx)
         self.k.step(keys)
@@ -259,7 +267,7 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         self.evicted = seen - keys.shape[2]
 
     def get_seq_length(self) -> int:
-        return self.k.n + self.evicted
+        return self.width if self.rows is not None else self.k.n + self.evicted
 
     def crop(self, max_length: int) -> None:
         # assisted / prompt-lookup decoding removes rejected draft tokens with Cache.crop
@@ -268,18 +276,91 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                         "assistant (greedy, sampling or beam search)")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.k.n + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def _map_rows(self, fn) -> None:
+        if self.rows is not None:   # beam search, batch edits: the row layers move whole
+            order = fn(torch.arange(len(self.rows))).tolist()
+            taken: set = set()
+            rows = []
+            for i in order:       # a row repeated is a copy: each copy then grows on its own
+                rows.append(copy.deepcopy(self.rows[i]) if i in taken else self.rows[i])
+                taken.add(i)
+            self.rows, self.pads = rows, [self.pads[i] for i in order]
+            return
         self.k.map(fn)
         self.v.map(fn)
         if self.positions is not None:
             self.positions = fn(self.positions)
 
+    def _split_rows(self, attention_mask, B: int, T: int, n0: int, window, owner) -> None:
+        """Enter the per-row mode at a left-padded batch's first step; anything else is refused."""
+        what = owner or "this quantised cache"
+        counts = (f"sink {self.schedule.sink}, window {self.schedule.window}, key blocks of "
+                  f"{self.k.codec.block}")
+        if n0 or self.evicted:
+            raise ValueError(f"{what}: a padded batch whose padding appears after its first step: "
+                             f"this method counts a row's tokens ({counts}). Pad on the left, once")
+        if window:
+            raise ValueError(f"{what}: a padded batch on a sliding-window layer ({window}): this "
+                             f"method counts a row's tokens ({counts}) and its rows are kept apart "
+                             f"only under full attention. Run each prompt alone (batch size 1)")
+        pads = left_pads(attention_mask, B, T, what)
+        self.rows = [QuantKVLayer(self.k.codec, self.v.codec, self.schedule, self.layer_idx,
+                                  self.keep_positions) for _ in range(B)]
+        self.pads, self.width = [int(p) for p in pads], 0
+
+    def _step_rows(self, keys, values, positions, owner) -> QuantKVView:
+        """Each row's real tokens of this step through its own row layer (as that prompt alone);
+        the batch view puts the rows' columns side by side, padded with masked zero columns. A
+        row's pad queries see one column (outputs never read; an all-masked row would be NaN)."""
+        B, H, T, d = keys.shape
+        views, real = [], []
+        for b, row in enumerate(self.rows):
+            skip = min(T, max(0, self.pads[b] - self.width))
+            real.append(T - skip)
+            if skip == T:
+                views.append(None)
+                continue
+            pos = None if positions is None else positions[b if positions.shape[0] > 1 else 0][None, skip:]
+            views.append(row.step(keys[b:b + 1, :, skip:], values[b:b + 1, :, skip:], pos, None,
+                                  None, owner))
+        self.width += T
+        S = max([v.keys.shape[2] for v in views if v is not None] + [1])
+        ks = keys.new_zeros(B, H, S, d)
+        vs = values.new_zeros(B, H, S, values.shape[-1])
+        mask = torch.zeros(B, 1, T, S, dtype=torch.bool, device=keys.device)
+        kpos = (torch.zeros(B, S, dtype=torch.int32, device=keys.device) if self.keep_positions else None)
+        for b, v in enumerate(views):
+            mask[b, 0, :T - real[b], 0] = True
+            if v is None:
+                continue
+            s = v.keys.shape[2]
+            ks[b, :, :s], vs[b, :, :s] = v.keys[0], v.values[0]
+            mask[b, 0, T - real[b]:, :s] = v.mask[0, 0]
+            if kpos is not None:
+                kpos[b, :s] = v.key_positions[0]
+        return QuantKVView(ks, vs, torch.arange(S, device=keys.device), mask, kpos)
+
+    def row(self, b: int) -> "QuantKVLayer":
+        """Row b as a layer of its own: its row layer in the per-row mode, else its slice."""
+        if self.rows is not None:
+            return self.rows[b]
+        one = copy.copy(self)
+        one.k, one.v = copy.copy(self.k), copy.copy(self.v)
+        one._map_rows(lambda t: t[b:b + 1])
+        return one
+
     def nbytes(self) -> dict:
+        if self.rows is not None:   # the codecs' per-layer metadata is stored once for all rows
+            parts = [r.nbytes() for r in self.rows]
+            out = {key: sum(p[key] for p in parts) for key in parts[0]}
+            out["metadata"] -= out["fixed"] - parts[0]["fixed"]
+            out["fixed"] = parts[0]["fixed"]
+            return out
         k, v = self.k.nbytes(), self.v.nbytes()
         out = {key: k[key] + v[key] for key in k}
         fixed = (self.k.codec.layer_metadata_nbytes(self.layer_idx)
@@ -303,6 +384,21 @@ class QuantKVCache(Cache):
     def step(self, layer_idx, keys, values, positions, attention_mask,
              window: int | None = None) -> QuantKVView:
         return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner)
+
+    def holds_rows_apart(self) -> bool:
+        """Whether a padded batch split its rows (then `row(b)` is a row's bytes as alone)."""
+        return any(layer.rows is not None for layer in self.layers)
+
+    def row_bytes_by_snapshot(self) -> bool:
+        """Whether a row's bytes are taken when it ends (`row(b)`, or an even share of an
+        unpadded batch whose codes depend on the token count), not as its share of the tokens."""
+        return self.holds_rows_apart() or self.layers[0].counts_tokens
+
+    def row(self, b: int) -> "QuantKVCache":
+        """Row b of the batch as a cache of its own (for its bytes)."""
+        one = copy.copy(self)
+        one.layers = [layer.row(b) for layer in self.layers]
+        return one
 
     def nbytes(self) -> dict:
         """Bytes as stored, summed over layers: `quantised` (packed codes), `metadata` (scales,

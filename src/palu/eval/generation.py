@@ -117,6 +117,8 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
+    if snapshots is not None and not getattr(cache, "row_bytes_by_snapshot", lambda: True)():
+        snapshots = None     # per-token codes (Atom, TurboQuant): a row's share of the tokens
     held = None if cache is None or snapshots else method.cache_nbytes(cache)   # once per batch
     rows = []
     for row, p in enumerate(prompts):
@@ -147,7 +149,8 @@ class _RowBytes(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def _row(self, b: int) -> dict:
-        if hasattr(self.cache, "row"):
+        apart = getattr(self.cache, "holds_rows_apart", None)   # a quantised cache: if padded
+        if hasattr(self.cache, "row") and (apart is None or apart()):
             n = self.method.cache_nbytes(self.cache.row(b))
             return {"stored": n["total"], "read_per_step": n.get("read_per_step", n["total"])}
         # an unpadded batch: every row holds as many tokens, in tensors of one shape, so a row's

@@ -21,6 +21,7 @@ from .quantized_kv import QuantizedKV
 @dataclass
 class KIVI(QuantizedKV):
     name = "kivi"
+    padded_batches = True   # a left-padded batch keeps its rows apart (quant_cache: per-row mode)
     BITS = (2, 3, 4, 8)
     bits: int = 2
     group: int = 32        # tokens per key group, channels per value group

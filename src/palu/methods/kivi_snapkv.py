@@ -14,6 +14,7 @@ from .prefill_eviction import PrefillEviction
 class KIVISnapKV(KIVI, PrefillEviction):
     name = "kivi_snapkv"
     one_pass = False
+    padded_batches = False   # SnapKV would score a row's pad tokens (refused in QuantKVLayer.evict)
 
     def check(self) -> None:
         super().check()

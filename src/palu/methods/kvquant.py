@@ -128,6 +128,7 @@ def _codecs(state: KVQuantState, head_dim: int):
 @dataclass
 class KVQuant(QuantizedKV):
     name = "kvquant"
+    padded_batches = True   # a left-padded batch keeps its rows apart (quant_cache: per-row mode)
     pre_rope = True
     state: Any = None          # a fitted KVQuantState, or the folder one was saved to
     sink: int = 1              # first tokens kept exact (the attention sink)
