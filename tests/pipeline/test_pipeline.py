@@ -31,7 +31,7 @@ def _planned_rules(output: str) -> set[str]:
 def test_small_grid_end_to_end(prepared_model, tmp_path):
     results = TEST_WORK / "results"
     # every step reruns (as on a clean clone), so each one's W&B run can be checked
-    for made in ("results", "calib", "ranks", "palu", "kvquant", "wandb"):
+    for made in ("results", "calib", "ranks", "palu", "kvquant", "wandb", "journal"):
         shutil.rmtree(TEST_WORK / made, ignore_errors=True)
     _snakemake("--configfile", "conf/grid/small.yaml")
     for table in ("baseline", "granularity", "rank_allocation", "factors", "recovery", "byte_budget"):
@@ -76,6 +76,8 @@ def test_small_grid_end_to_end(prepared_model, tmp_path):
     # needle retrieval and Qasper answers generated through each cache, and the needle heatmap
     lc = pd.read_csv(results / "tables" / "longcontext.csv")
     assert set(lc["method"]) == {"fp16", "palu-whitened-uniform-k0.5-g3-b4"}
+    # each long-context job journaled its answers as it went, and removed the journal once done
+    assert not list((TEST_WORK / "journal").glob("*.jsonl"))
     ruler = {"niah_single@512", "qa@512"}       # the RULER-style slice: one prompt per task
     assert set(lc["task"]) == {"needles", "needles_L160", "qasper_yesno", "average", *ruler}
     assert (lc.loc[lc["task"].isin(["needles", "needles_L160", "qasper_yesno"]), "n"] == 2).all()

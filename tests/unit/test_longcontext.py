@@ -150,7 +150,7 @@ def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
     """Float64: the needle suite and the document suites (prompts of different lengths and answer
     lengths, several tasks) give the same result at batch 4 as one prompt at a time — answers,
     scores, intervals and bytes (an eviction row's own bytes). SnapKV and H2O batch row by row;
-    KIVI refuses padding: it batches the prompts of one length (unpadded)."""
+    KIVI keeps a padded batch's rows apart."""
     from palu.eval.documents import Document, evaluate_documents
     from palu.eval.needles import evaluate_needles
     tok = tiny_tokenizer()
@@ -170,3 +170,58 @@ def test_a_suite_answers_at_batch_4_as_at_batch_1(tmp_path, which):
     one = evaluate_documents(model, tok, method, docs, 200)
     assert evaluate_documents(model, tok, method, docs, 200, batch_size=4) == one
     assert len({r["prompt_tokens"] for r in one["samples"]}) == 7
+
+
+def test_a_stopped_suite_resumes_from_its_journal_and_answers_the_same(tmp_path, monkeypatch):
+    """A job stopped after its first batch (a time limit, a preemption) and run again answers only
+    the prompts its journal lacks, and its answers equal an uninterrupted run's; a journal of
+    other settings is refused by name; a line cut short by the kill is ignored."""
+    from palu.eval import generation
+    from palu.eval.documents import Document, evaluate_documents
+    from palu.eval.journal import answer_journal
+    tok = tiny_tokenizer()
+    model = tiny_llama(0).double()
+    method = build_method(BATCH_METHODS["kivi"])
+    method.install(model)
+    words = list(dict.fromkeys(WORDS))[3:]
+    docs = [Document(f"task{i % 2}", str(i), "{context} question", " ".join(words[i:i + 20 + 9 * i]),
+                     [words[i + 2]], "string_match_all", 3 + 2 * (i % 2), chat=False) for i in range(7)]
+    whole = evaluate_documents(model, tok, method, docs, 200, batch_size=2)
+    answered = []
+    real = generation._generate
+
+    def counting(model, tokenizer, method, prompts, new):
+        answered.extend(map(tuple, prompts))
+        return real(model, tokenizer, method, prompts, new)
+    monkeypatch.setattr(generation, "_generate", counting)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(done, total):
+        raise Stop
+    path, fingerprint = tmp_path / "journal.jsonl", {"method": method.tag, "suite": "docs"}
+    with answer_journal(path, fingerprint), pytest.raises(Stop):
+        generation.answer_batches(model, tok, method, [list(range(3, 10 + i)) for i in range(5)], 4,
+                                  batch_size=2, progress=stop_after_first)
+    with path.open("a") as f:
+        f.write('{"key": "cut sh')                      # the kill's half-written line
+    first = len(answered)
+    assert first == 2
+    with answer_journal(path, fingerprint) as journal:
+        assert len(journal) == 2
+        again = generation.answer_batches(model, tok, method, [list(range(3, 10 + i)) for i in range(5)],
+                                          4, batch_size=2)
+    assert len(answered) == first + 3                    # only the three not journaled
+    monkeypatch.setattr(generation, "_generate", real)
+    assert again == generation.answer_batches(model, tok, method, [list(range(3, 10 + i)) for i in range(5)],
+                                              4, batch_size=1)
+    # a whole suite through a journal, stopped and resumed, equals the uninterrupted run
+    path2 = tmp_path / "suite.jsonl"
+    with answer_journal(path2, fingerprint):
+        assert evaluate_documents(model, tok, method, docs, 200, batch_size=3) == whole
+    with answer_journal(path2, fingerprint):
+        assert evaluate_documents(model, tok, method, docs, 200, batch_size=1) == whole
+    with pytest.raises(ValueError, match="other settings"):
+        with answer_journal(path2, {"method": "kivi-b4", "suite": "docs"}):
+            pass

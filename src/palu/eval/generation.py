@@ -15,6 +15,8 @@ import logging
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from .journal import current as current_journal
+
 log = logging.getLogger(__name__)
 AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
 
@@ -41,7 +43,8 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
     """(answer, bytes) of every prompt, in the order given. `max_new_tokens`: one for all or one
     per prompt (a batch holds prompts of one answer length). `batch_size`: an int, or "auto" (on
     a GPU: from `AUTO_MAX_BATCH` down, halved on out-of-memory; on a CPU: 1). `progress(done,
-    total)` is called after each batch."""
+    total)` is called after each batch. Inside `journal.answer_journal(...)` every batch's answers
+    are journaled, and prompts an earlier run answered are not answered again."""
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if len(news) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(news)} answer lengths")
@@ -52,7 +55,17 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
                  "exactly; an unpadded batch is exact)", method.tag)
     order = sorted(range(len(prompts)), key=lambda i: (-news[i], -len(prompts[i]), i))
     out: list = [None] * len(prompts)
-    start = 0
+    journal = current_journal()   # a resumed step: what an earlier run of it answered
+    if journal is not None:
+        for i in order:
+            out[i] = journal.get(prompts[i], news[i])
+        resumed = sum(a is not None for a in out)
+        if resumed:
+            log.info("%d of %d prompts answered by an earlier run (%s)", resumed, len(prompts), journal.path)
+        order = [i for i in order if out[i] is None]
+        if progress is not None and resumed:
+            progress(resumed, len(prompts))
+    start, base = 0, len(prompts) - len(order)
     while start < len(order):
         first = order[start]
         group = [i for i in order[start:start + size] if news[i] == news[first]
@@ -68,9 +81,11 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
             continue
         for i, a in zip(group, answers):
             out[i] = a
+        if journal is not None:
+            journal.add([(prompts[i], news[i], a) for i, a in zip(group, answers)])
         start += len(group)
         if progress is not None:
-            progress(start, len(order))
+            progress(base + start, len(prompts))
     return out
 
 

@@ -5,8 +5,13 @@ Writes one JSON with each sample's answer and score and the per-task summaries (
 longcontext table and needle heatmap read it)."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from pathlib import Path
+
 from palu.pipeline.config import method_of, suite_settings
 from palu.artifacts import write_json
+from palu.eval.journal import answer_journal
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
 from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked
@@ -16,6 +21,12 @@ def _max_positions(path: str) -> int | None:
     if resolve_source(path).kind == "hub":
         return None
     return getattr(load_config(path), "max_position_embeddings", None)
+
+
+def journal_path(cfg, out: str) -> Path:
+    """Where this step journals its answers (so a stopped job resumes): the work folder, named by
+    the output it is for (a hash: no name read from a config becomes a path)."""
+    return Path(cfg.paths.work) / "journal" / f"{hashlib.sha256(str(out).encode()).hexdigest()[:24]}.jsonl"
 
 
 def run(cfg) -> dict:
@@ -33,13 +44,21 @@ def run(cfg) -> dict:
     with tracked(cfg, "longcontext", out, used={**model_input(cfg), **method.inputs()}) as wb:
         model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
-        result = suite.run(model, tok, method, settings, max_positions=limit,
-                           log=log.info if cfg.progress else None, batch_size=cfg.longcontext.batch_size)
+        settings_record = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
+        fingerprint = {"out": str(out), "method": method.record(), "suite": name, "settings": settings_record,
+                       "model": cfg.model.name, "dtype": cfg.model.dtype, "device": cfg.device}
+        journal = journal_path(cfg, out)
+        with answer_journal(journal, fingerprint) as answered:
+            if len(answered):
+                log.info("resuming: %d answers from %s", len(answered), journal)
+            result = suite.run(model, tok, method, settings, max_positions=limit,
+                               log=log.info if cfg.progress else None, batch_size=cfg.longcontext.batch_size)
         result["batch_size"] = cfg.longcontext.batch_size
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "suite": name, "run": naming.run_name(method.tag, method.lineage()),
                    **method.summary()}
         write_json(out, record(cfg, "longcontext", longcontext=result, summary=summary, method=method.record()))
+        journal.unlink()   # ours, written above; the result file now holds every answer
         wb.metrics({f"{task}/{k}": v[k] for task, v in result["tasks"].items() for k in ("score", "n")})
         if wb.enabled:
             import pandas as pd
