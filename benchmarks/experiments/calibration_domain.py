@@ -41,6 +41,15 @@ def _runs(folder: Path) -> dict:
     return out
 
 
+def _label(m: dict) -> str:
+    """kept ratio and granularity of a run (M-LRD: one head a group; J-LRD: all KV heads)."""
+    if m["method"] == "fp16":
+        return "FP16"
+    g, heads = m.get("group_size"), m.get("num_kv_heads")
+    lrd = "M-LRD" if g == 1 else "J-LRD" if g == heads else f"G-LRD (groups of {g})"
+    return f"kept {m['kept_ratio_target']:g} {lrd}"
+
+
 def table(root: Path) -> dict:
     grids = {c: _runs(root / c) for c in CALIBRATIONS}
     keys = sorted(set.intersection(*(set(g) for g in grids.values())))
@@ -57,7 +66,7 @@ def table(root: Path) -> dict:
             if family != "fp16" and m["calibration_samples"] != cells["wiki"]["calibration_samples"]:
                 raise ValueError(f"{family}: calibration {c} used another sample count")
         home = corpus.removesuffix("_standin")
-        row = {"run": family, "corpus": corpus, "in_domain": home}
+        row = {"run": family, "corpus": corpus, "in_domain": home, "label": _label(cells["wiki"])}
         for c, m in cells.items():
             lo, hi = ppl_interval(m["block_nll"], tokens)
             row[c] = {"ppl": m["ppl"], "lo": lo, "hi": hi}
@@ -82,10 +91,10 @@ def markdown(result: dict) -> str:
              f"({result['blocks']} blocks of 128) of each evaluation corpus's held-out part. In brackets: "
              "the paired difference to the in-domain calibration on the same blocks, 95% paired bootstrap "
              "interval (\"~\": the interval contains 0). FP16 is the same under every calibration.", "",
-             "| run | evaluated on | calibrated on Wikipedia | on novels | on the mix |", "|---|---|---|---|---|"]
+             "| run | | evaluated on | calibrated on Wikipedia | on novels | on the mix |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         home = {"wiki": "Wikipedia", "novels": "novels", "mix": "the mix"}[r["in_domain"]]
-        lines.append(f"| {r['run']} | {LABELS.get(r['corpus'], r['corpus'])} (home: {home}) | "
+        lines.append(f"| {r['run']} | {r['label']} | {LABELS.get(r['corpus'], r['corpus'])} (home: {home}) | "
                      + " | ".join(_fmt(r[c]) for c in CALIBRATIONS) + " |")
     return "\n".join(lines) + "\n"
 
@@ -104,7 +113,7 @@ def figure(result: dict, out: Path) -> None:
         for i, c in enumerate(CALIBRATIONS):
             vals = [r[c]["ppl"] / fp16[corpus] for r in sub]
             ax.bar(x + (i - 1) * 0.27, vals, 0.27, label=f"calibrated on {c}")
-        ax.set_xticks(x, [r["run"].replace("palu-whitened-uniform-", "") for r in sub], rotation=30)
+        ax.set_xticks(x, [r["label"].replace("kept ", "") for r in sub], rotation=20)
         ax.set_title(f"evaluated on {LABELS.get(corpus, corpus)}")
         ax.set_ylabel("perplexity / FP16's")
         ax.axhline(1.0, color="k", lw=0.8)

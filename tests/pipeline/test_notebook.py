@@ -19,11 +19,14 @@ def test_results_notebook_shows_every_table_and_figure_with_intervals():
                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     # a section per committed table and figure (a missing one raises in the notebook)
     # ... and of the second model's grid (results/gemma3-270m/)
-    for folder in ("results", "results/gemma3-270m", "results/long-pilot", "results/h200"):
+    for folder in ("results", "results/gemma3-270m", "results/long-pilot", "results/h200",
+                   "results/h200-zeroshot", "results/h200-long"):
         for table in sorted((ROOT / folder / "tables").glob("*.csv")):
             assert f"{folder}/tables/{table.name}" in shown, table
         for fig in sorted((ROOT / folder / "figures").glob("*.png")):
             assert f"{folder}/figures/{fig.name}" in shown, fig
+    for made in ("calibration_domain.md", "calibration_domain.png"):   # the three calibration grids
+        assert f"results/calibration-domain/{made}" in shown, made
     # perplexities print with their intervals, compressed rows with the paired difference
     base = pd.read_csv(ROOT / "results" / "tables" / "baseline.csv")
     for r in base.itertuples():

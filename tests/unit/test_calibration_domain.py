@@ -20,7 +20,8 @@ def _write(root, cal, method, corpus, nll, tokens=None):
     tokens = tokens or [128] * len(nll)
     import math
     m = {"method": method, "corpus": corpus, "block_nll": nll, "block_tokens": tokens,
-         "ppl": math.exp(sum(nll) / sum(tokens)), "calibration_samples": 0 if method == "fp16" else 24}
+         "ppl": math.exp(sum(nll) / sum(tokens)), "calibration_samples": 0 if method == "fp16" else 24,
+         "group_size": 1, "num_kv_heads": 2, "kept_ratio_target": 0.5}
     path = root / cal / "runs" / "m" / method / f"ppl-{corpus}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"metrics": m}))
