@@ -17,8 +17,9 @@ def allocate_ranks(method: str, kept_ratio: float, group_size: int, multiple: in
                    advice: str = "collect them again (palu.calib.fisher.collect_fisher)") -> dict:
     """Ranks of `method` for a kept ratio. `stats`: every Fisher statistic
     (`calib.fisher.collect_fisher`, of the model in the head order the factors will use);
-    `model`, `grams` and `probe_windows` (held-out text the Gram never saw): for allocators that
-    probe. `source` names the statistics in errors (a file path, say), `advice` says how to renew them."""
+    `model`, `grams` and `probe_windows` (calibration text apart from the Gram's windows, though
+    in the pipeline not disjoint from them: results/checks/probe-window-overlap.json): for
+    allocators that probe. `source` names the statistics in errors (a file path, say), `advice` says how to renew them."""
     allocator = get_allocator(method)
     fisher = None
     if allocator.statistic is not None:
@@ -31,7 +32,7 @@ def allocate_ranks(method: str, kept_ratio: float, group_size: int, multiple: in
                          "model and the calibration Gram (its whitened factors)")
     if probe_windows is None and (method != "error_aware" or key_weight == "auto"):
         raise ValueError(f"{method if method != 'error_aware' else 'key_weight=auto'} probes on "
-                         "held-out windows: pass probe_windows= (palu.compress also takes the first "
+                         "probe windows (text the Gram was not built from): pass probe_windows= (palu.compress also takes the first "
                          "fisher_windows=)" + ("" if method != "error_aware" else ", or a numeric key_weight"))
     from .probe import allocate_probed
     from .spectra import whitened_svds

@@ -245,7 +245,8 @@ def allocate_bytes(geom, byte_ratio: float, group_size: int, multiple: int, fish
 def byte_allocation(model, svds: dict, fisher: torch.Tensor, byte_ratio: float, group_size: int,
                     multiple: int, windows: torch.Tensor, bit_options=BIT_OPTIONS,
                     key_weight: float = 1.0) -> dict:
-    """`allocate_bytes` with its error tables measured on `windows` (held-out calibration text)."""
+    """`allocate_bytes` with its error tables measured on `windows` (probe windows: in the pipeline the first Fisher
+    windows, which overlap the Gram's, results/checks/probe-window-overlap.json)."""
     geom = geometry_of(model.config)
     tables = error_table(svds, projection_inputs(model, windows), multiple, bit_options)
     allocation = allocate_bytes(geom, byte_ratio, group_size, multiple, fisher, tables, bit_options,

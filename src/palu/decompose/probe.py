@@ -1,4 +1,4 @@
-"""The key / value balance of `error_aware` ranks, probed on held-out calibration text.
+"""The key / value balance of `error_aware` ranks, probed on calibration text.
 
 error_aware's loss model is quadratic: a block's output error costs its output Fisher times the
 discarded whitened energy. That holds for small errors. A key error, though, passes through the
@@ -9,7 +9,8 @@ README). One scalar corrects the balance where it is off: the keys' weights are
 multiplied by `key_weight` before the greedy allocation, and `probe_key_weight` picks it from
 KEY_WEIGHTS by the real LM loss of the truncated model (each block replaced by its best rank-r
 whitened reconstruction, which is the Palu model without quantisation) on probe windows that the
-Gram did not see (the first Fisher windows). With key_weight 1 it is the plain quadratic model.
+Gram was not built from (the first Fisher windows; drawn apart from the Gram's, not disjoint from
+them: results/checks/probe-window-overlap.json). With key_weight 1 it is the plain quadratic model.
 """
 from __future__ import annotations
 
@@ -104,13 +105,13 @@ def probe_select(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                  windows: torch.Tensor, candidates=SELECT_CANDIDATES, blends=BLEND_WEIGHTS) -> dict:
     """The allocation with the lowest probe loss among `candidates` ((method, key_weight) pairs;
     key_weight only for error_aware) and their blends, each scored as its truncated model on
-    `windows` (text the Gram did not see). `stats` holds every Fisher statistic
+    `windows` (the first Fisher windows: not disjoint from the Gram's in the pipeline). `stats` holds every Fisher statistic
     (calib.fisher.collect_fisher). After the candidates, the best one is blended with uniform
     ranks and with the runner-up at each weight of `blends` (`ranks.blend`: a block's units
     w * best + (1 - w) * other): on SmolLM2 at kept 0.5 the half-way point between fisher_rms
     and uniform beats both on both corpora, at kept 0.3 fisher_rms alone wins. Returns the
     winner's allocation relabelled `probe_select`, with every candidate's loss under "probe"
-    (ties: the earlier candidate). Model selection on held-out calibration text, not a new loss
+    (ties: the earlier candidate). Model selection on calibration text, not a new loss
     model: it is never worse on the probe than the best allocation it chooses from."""
     if not candidates:
         raise ValueError("probe_select needs at least one candidate allocator")

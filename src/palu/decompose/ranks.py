@@ -17,7 +17,8 @@ With equal lambdas it keeps the largest whitened singular values overall.
 
 `probe_select` (decompose/probe.py) is model selection rather than a loss model: it builds every
 allocation above (error_aware at several key weights), scores each truncated model's LM loss on
-probe windows the Gram never saw, and keeps the best. No single loss model wins at every budget on
+probe windows (the first Fisher windows, which overlap the Gram's:
+results/checks/probe-window-overlap.json), and keeps the best. No single loss model wins at every budget on
 SmolLM2 (fisher_rms at kept 0.3, uniform at 0.5; results/tables/rank_allocation.md); the probe
 reads which one does for this model, budget and granularity.
 

@@ -59,7 +59,8 @@ def run(cfg) -> dict:
             log.info("head order (similarity): %s", orders)
         if allocator.probes:
             from palu.decompose.probe import PROBE_WINDOWS
-            # the probe scores the first Fisher windows: text the Gram never saw
+            # the probe scores the first Fisher windows (drawn apart from the Gram's windows, but from the
+            # same text: they overlap, results/checks/probe-window-overlap.json; issue 53, item 3)
             f = cfg.fisher
             windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
         allocation = allocate_ranks(p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, geom,
