@@ -225,3 +225,24 @@ def test_a_stopped_suite_resumes_from_its_journal_and_answers_the_same(tmp_path,
     with pytest.raises(ValueError, match="other settings"):
         with answer_journal(path2, {"method": "kivi-b4", "suite": "docs"}):
             pass
+
+
+def test_a_journal_knows_the_weights_by_their_source(tmp_path):
+    """A folder `prepare` made is named by the GGUF it was made from (prepared again on the next
+    GPU lease, it is the same model); another GGUF's content is another model."""
+    import json
+    import os
+    from palu.pipeline.cli.longcontext import weights_signature
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "palu_source.json").write_text(json.dumps({"model_id": str(gguf)}))
+    first = weights_signature(str(folder))
+    os.utime(folder / "config.json", ns=(1, 1))                 # prepared again: other file times
+    assert weights_signature(str(folder)) == first == {"prepared_from": str(gguf), **weights_signature(str(gguf))}
+    gguf.write_bytes(b"GGUF" + bytes(99) + b"x")                # other weights
+    assert weights_signature(str(folder)) != first
+    (folder / "palu_source.json").unlink()                      # a folder of one's own: its files
+    assert set(weights_signature(str(folder))) == {"config.json"}

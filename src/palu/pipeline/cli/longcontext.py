@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 from pathlib import Path
 
 from palu.pipeline.config import method_of, suite_settings
@@ -29,6 +30,28 @@ def journal_path(cfg, out: str) -> Path:
     return Path(cfg.paths.work) / "journal" / f"{hashlib.sha256(str(out).encode()).hexdigest()[:24]}.jsonl"
 
 
+def weights_signature(path: str) -> dict:
+    """Which weights the model was read from, as a journal must know them: a GGUF by its sha256; a
+    folder `prepare` made, by the source it was made from (prepared again on another machine, it
+    is the same model); any other folder by its weight files' sizes and modification times."""
+    from palu.artifacts import sha256_file
+    from palu.models.loading import ModelNotFoundError, resolve_source
+    src = resolve_source(path)
+    if src.kind == "hub":
+        return {"hub": path}
+    if src.gguf_file:
+        return {"gguf_sha256": sha256_file(Path(src.path) / src.gguf_file)}
+    made_from = Path(src.path) / "palu_source.json"
+    if made_from.is_file():
+        source = json.loads(made_from.read_text()).get("model_id")
+        try:
+            return {"prepared_from": source, **weights_signature(source)}
+        except (ModelNotFoundError, TypeError, OSError):
+            pass
+    files = sorted(p for p in Path(src.path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
 def run(cfg) -> dict:
     from palu.eval.suites import get_suite
     name = cfg.longcontext.suite
@@ -46,7 +69,8 @@ def run(cfg) -> dict:
         method.install(model)
         settings_record = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
         fingerprint = {"out": str(out), "method": method.record(), "suite": name, "settings": settings_record,
-                       "model": cfg.model.name, "dtype": cfg.model.dtype, "device": cfg.device}
+                       "model": cfg.model.name, "weights": weights_signature(path), "dtype": cfg.model.dtype,
+                       "device": cfg.device}
         journal = journal_path(cfg, out)
         with answer_journal(journal, fingerprint) as answered:
             if len(answered):
