@@ -345,15 +345,6 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                 kpos[b, :s] = v.key_positions[0]
         return QuantKVView(ks, vs, torch.arange(S, device=keys.device), mask, kpos)
 
-    def row(self, b: int) -> "QuantKVLayer":
-        """Row b as a layer of its own: its row layer in the per-row mode, else its slice."""
-        if self.rows is not None:
-            return self.rows[b]
-        one = copy.copy(self)
-        one.k, one.v = copy.copy(self.k), copy.copy(self.v)
-        one._map_rows(lambda t: t[b:b + 1])
-        return one
-
     def nbytes(self) -> dict:
         if self.rows is not None:   # the codecs' per-layer metadata is stored once for all rows
             parts = [r.nbytes() for r in self.rows]
@@ -390,14 +381,15 @@ class QuantKVCache(Cache):
         return any(layer.rows is not None for layer in self.layers)
 
     def row_bytes_by_snapshot(self) -> bool:
-        """Whether a row's bytes are taken when it ends (`row(b)`, or an even share of an
-        unpadded batch whose codes depend on the token count), not as its share of the tokens."""
-        return self.holds_rows_apart() or self.layers[0].counts_tokens
+        """Whether a row's bytes are taken when it ends (`row(b)` once rows are apart, or an even
+        share of an unpadded batch): codes that count tokens (KIVI, KVQuant) are not a per-token
+        share of the batch's bytes; per-token codes (Atom, TurboQuant) are."""
+        return self.layers[0].counts_tokens
 
     def row(self, b: int) -> "QuantKVCache":
-        """Row b of the batch as a cache of its own (for its bytes)."""
+        """Row b of a batch whose rows are apart (`holds_rows_apart`), as a cache of its own."""
         one = copy.copy(self)
-        one.layers = [layer.row(b) for layer in self.layers]
+        one.layers = [layer.rows[b] for layer in self.layers]
         return one
 
     def nbytes(self) -> dict:

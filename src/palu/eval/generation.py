@@ -124,16 +124,15 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     kwargs = {} if cache is None else {"past_key_values": cache}
     stop = eos_ids(model)
     snapshots = None
-    # a cache whose rows hold different numbers of tokens (eviction), or an unpadded batch of a
-    # method whose bytes are not a per-token share: each row's bytes when that row ends
-    if cache is not None and len(prompts) > 1 and (hasattr(cache, "row") or not batchable(method)):
+    # a cache whose rows hold different numbers of tokens (eviction), or one whose bytes are not a
+    # per-token share (quantised codes that count tokens): each row's bytes when that row ends
+    by_row = hasattr(cache, "row") and getattr(cache, "row_bytes_by_snapshot", lambda: True)()
+    if cache is not None and len(prompts) > 1 and (by_row or not batchable(method)):
         snapshots = _RowBytes(method, cache, stop, len(prompts))
         kwargs["stopping_criteria"] = StoppingCriteriaList([snapshots])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
-    if snapshots is not None and not getattr(cache, "row_bytes_by_snapshot", lambda: True)():
-        snapshots = None     # per-token codes (Atom, TurboQuant): a row's share of the tokens
     held = None if cache is None or snapshots else method.cache_nbytes(cache)   # once per batch
     rows = []
     for row, p in enumerate(prompts):

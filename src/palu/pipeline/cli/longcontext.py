@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 
 from palu.pipeline.config import method_of, suite_settings
@@ -35,18 +34,17 @@ def weights_signature(path: str) -> dict:
     folder `prepare` made, by the source it was made from (prepared again on another machine, it
     is the same model); any other folder by its weight files' sizes and modification times."""
     from palu.artifacts import sha256_file
-    from palu.models.loading import ModelNotFoundError, resolve_source
+    from palu.models.loading import ModelNotFoundError, prepared_from, resolve_source
     src = resolve_source(path)
     if src.kind == "hub":
         return {"hub": path}
     if src.gguf_file:
         return {"gguf_sha256": sha256_file(Path(src.path) / src.gguf_file)}
-    made_from = Path(src.path) / "palu_source.json"
-    if made_from.is_file():
-        source = json.loads(made_from.read_text()).get("model_id")
+    source = prepared_from(src.path)
+    if source is not None:
         try:
             return {"prepared_from": source, **weights_signature(source)}
-        except (ModelNotFoundError, TypeError, OSError):
+        except (ModelNotFoundError, OSError):
             pass
     files = sorted(p for p in Path(src.path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
     return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
