@@ -38,6 +38,11 @@ resource_scopes:
 
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
+# GPU jobs sharing one GPU locally (`--resources gpu=N`, N > 1) each hold to 1/N of its memory
+# (palu.pipeline.cli.common.limit_gpu_share), so no job starves the others
+GPUS_SHARED = getattr(workflow.global_resources["gpu"], "value", workflow.global_resources["gpu"]) or 1
+if not workflow.remote_exec and GPUS_SHARED > 1:
+    os.environ["PALU_GPU_SHARE"] = f"{0.95 / GPUS_SHARED:.4f}"
 if "model_jobs" not in workflow.global_resources:
     workflow.register_resource("model_jobs", 1 if workflow.remote_exec
                                else workflow.global_resources["_cores"].value or 1)

@@ -72,8 +72,8 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
                  and (padded or len(prompts[i]) == len(prompts[first]))]
         try:
             answers = _generate(model, tokenizer, method, [prompts[i] for i in group], news[group[0]])
-        except torch.OutOfMemoryError:
-            if batch_size != "auto" or size == 1:
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            if not out_of_memory(err) or batch_size != "auto" or size == 1:
                 raise
             size //= 2
             log.info("out of memory at batch %d: halved to %d", 2 * size, size)
@@ -87,6 +87,16 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
         if progress is not None:
             progress(base + start, len(prompts))
     return out
+
+
+def out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is the GPU running out of memory: torch's allocator raises OutOfMemoryError,
+    but cuBLAS / cuDNN workspaces and some kernels' own allocations surface as a RuntimeError
+    naming it (seen when several jobs share one GPU)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("out of memory" in text or "ALLOC_FAILED" in text)
 
 
 def check_batch_size(batch_size, key: str = "batch_size") -> None:

@@ -25,9 +25,34 @@ def entry_point(run, config_name: str = "config", checked: bool = True):
     def main(cfg) -> None:
         cfg = validate(cfg) if checked else cfg
         check_tracking(cfg.tracking)    # an unusable W&B setting fails before any work
+        limit_gpu_share(str(cfg.get("device", "cpu")))
         run(cfg)
     register()
     return hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
+
+
+GPU_SHARE_ENV = "PALU_GPU_SHARE"
+
+
+def limit_gpu_share(device: str, share: str | None = None) -> float | None:
+    """Hold this job to its share of the GPU's memory when several jobs share one GPU (the
+    workflow sets `PALU_GPU_SHARE` = 1 / its `gpu` resource). Without a cap, one job's cached
+    memory starves the others until a batch of one fails; with it, each job's `batch_size: auto`
+    halves inside its own share. Returns the share applied (None: none)."""
+    share = os.environ.get(GPU_SHARE_ENV) if share is None else share
+    if not share or not device.startswith("cuda"):
+        return None
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ValueError(f"{GPU_SHARE_ENV}={share!r} must be a fraction in (0, 1]")
+    if torch.cuda.is_available():
+        index = torch.device(device).index
+        torch.cuda.set_per_process_memory_fraction(value, index if index is not None else torch.cuda.current_device())
+        log.info("GPU memory held to %.3f of the device (%s=%s)", value, GPU_SHARE_ENV, share)
+    return value
 
 
 def model_path(cfg) -> str:
