@@ -246,3 +246,18 @@ def test_a_journal_knows_the_weights_by_their_source(tmp_path):
     assert weights_signature(str(folder)) != first
     (folder / "palu_source.json").unlink()                      # a folder of one's own: its files
     assert set(weights_signature(str(folder))) == {"config.json"}
+
+
+def test_a_journal_fingerprint_holds_what_made_the_answers_not_how_long_it_took():
+    """A checkpoint decomposed again (a fresh GPU host: the same factors, another duration) must
+    resume its journal; other factors must not."""
+    from palu.pipeline.cli.longcontext import without_timings
+    first = {"name": "palu", "manifest": {"files": {"factors.safetensors": "1e4f"},
+                                          "settings": {"decompose_seconds": 1.14, "samples": 24},
+                                          "summary": {"decompose_seconds": 1.14}, "ranks": [{"rank": 96}]}}
+    again = {**first, "manifest": {**first["manifest"], "settings": {"decompose_seconds": 1.09, "samples": 24},
+                                   "summary": {"decompose_seconds": 1.09}}}
+    other = {**first, "manifest": {**first["manifest"], "files": {"factors.safetensors": "9a0c"}}}
+    assert without_timings(first) == without_timings(again)
+    assert without_timings(first) != without_timings(other)
+    assert without_timings(first)["manifest"]["settings"] == {"samples": 24}

@@ -50,6 +50,17 @@ def weights_signature(path: str) -> dict:
     return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
 
 
+def without_timings(record):
+    """A record without its measured durations (`*_seconds`): what made the answers, so a
+    checkpoint decomposed again on a fresh GPU host (the same factors, by their sha256; another
+    `decompose_seconds`) resumes the journal of the first."""
+    if isinstance(record, dict):
+        return {k: without_timings(v) for k, v in record.items() if not str(k).endswith("_seconds")}
+    if isinstance(record, list):
+        return [without_timings(v) for v in record]
+    return record
+
+
 def run(cfg) -> dict:
     from palu.eval.suites import get_suite
     name = cfg.longcontext.suite
@@ -66,7 +77,7 @@ def run(cfg) -> dict:
         model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
         settings_record = dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings
-        fingerprint = {"out": str(out), "method": method.record(), "suite": name, "settings": settings_record,
+        fingerprint = {"out": str(out), "method": without_timings(method.record()), "suite": name, "settings": settings_record,
                        "model": cfg.model.name, "weights": weights_signature(path), "dtype": cfg.model.dtype,
                        "device": cfg.device}
         journal = journal_path(cfg, out)
