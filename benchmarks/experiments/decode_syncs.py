@@ -9,11 +9,14 @@ waits for the process's next slice. Counted on the CPU (the same calls run on th
 left-padded batch of 4 prompts of 229-256 tokens, as (calls with 17 new tokens - calls with 1) / 16
 = per decode step of the batch, all layers. KIVI's and Quest's per-row paths scale with the batch.
 
-Measured 2026-12-04 (results/checks/decode-syncs.json): FP16 2,315 calls and 2 syncs a step; Palu
-5,966 / 2 (4-bit 11,234 / 2); SnapKV / PyramidKV 2,677 / 3; StreamingLLM / TOVA ~3,900 / 63; Quest
-10,147 / 363; KIVI 38,713 / 483 (17x FP16's calls). On the H200 at 13 jobs sharing, KIVI's
-RULER-style jobs answered 16 prompts in 8 min against ~300 for Palu's; SnapKV's answered 48 while
-hardly syncing, so its 8K prefill (attention scores over the whole prompt) is the other cost.
+Measured 2026-12-04 (results/checks/decode-syncs.json, after KIVI's fix): FP16 2,315 calls and 2
+syncs a step (generate's own stopping checks); Palu 5,966 / 2 (4-bit 11,234 / 2); SnapKV /
+PyramidKV 2,677 / 3; StreamingLLM / TOVA ~3,900 / 63; Quest 10,147 / 363; KIVI 41,220 / 3 — before
+its index bookkeeping moved to the host (`quant_cache.QuantKVLayer.step`), 38,713 / 483: 4 `nonzero`
+for each row of each layer. On the H200 at 13 jobs sharing, KIVI's RULER-style jobs had answered
+16 prompts in 8 min against ~300 for Palu's; SnapKV's answered 48 while hardly syncing, so its 8K
+prefill (attention scores over the whole prompt) is the other cost. On a CPU run every tensor is on
+the host, so `Count` tracks which side each tensor would be on (its docstring).
 
     python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 from collections import Counter
 
 import torch
@@ -44,19 +48,50 @@ SYNCS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "cpu",
 
 
 class Count(TorchFunctionMode):
-    def __init__(self):
+    """Counts torch calls, and sync-like calls on tensors that would live on the GPU. On a CPU run
+    every tensor is on the host, so each tensor's side is tracked: the model's weights, and
+    anything made with an explicit device or from a device-side tensor, are device-side; index
+    bookkeeping made on the host (no device named) is not, until it is moved with `.to(device)`."""
+
+    def __init__(self, model):
         super().__init__()
-        self.calls = Counter()
+        self.calls, self.syncs = Counter(), Counter()
+        self.device_side: set[int] = set()     # ids of live device-side tensors
+        for t in list(model.parameters()) + list(model.buffers()):
+            self._mark(t)
+
+    def _mark(self, t: torch.Tensor) -> None:
+        if id(t) not in self.device_side:
+            self.device_side.add(id(t))
+            weakref.finalize(t, self.device_side.discard, id(t))
+
+    def _on_device(self, x) -> bool:
+        if isinstance(x, torch.Tensor):
+            return id(x) in self.device_side
+        if isinstance(x, (list, tuple)):
+            return any(self._on_device(v) for v in x)
+        return isinstance(x, torch.device)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.calls[getattr(func, "__name__", str(func))] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] += 1
+        device = (self._on_device(list(args)) or "device" in kwargs
+                  or any(self._on_device(v) for v in kwargs.values()))
+        if name in SYNCS and device:
+            self.syncs[name] += 1
+        out = func(*args, **kwargs)
+        if device:
+            for t in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    self._mark(t)
+        return out
 
 
 def counted(model, tok, method, prompts, new):
-    with Count() as c:
+    with Count(model) as c:
         answer_batches(model, tok, method, prompts, new, batch_size=len(prompts))
-    return c.calls
+    return c.calls, c.syncs
 
 
 def main(out: str) -> None:
@@ -69,9 +104,10 @@ def main(out: str) -> None:
         method = build_method(cfg) if cfg else None
         if method is not None:
             method.install(model)
-        one, many = counted(model, tok, method, prompts, 1), counted(model, tok, method, prompts, 17)
+        (one, one_syncs), (many, many_syncs) = (counted(model, tok, method, prompts, 1),
+                                                counted(model, tok, method, prompts, 17))
         step = {k: (many[k] - one[k]) / 16 for k in many}
-        syncs = {k: v for k, v in step.items() if k in SYNCS and v}
+        syncs = {k: (many_syncs[k] - one_syncs[k]) / 16 for k in many_syncs if many_syncs[k] - one_syncs[k]}
         rows.append({"method": name, "torch_calls_per_step": round(sum(step.values()), 1),
                      "syncs_per_step": round(sum(syncs.values()), 1), "syncs": syncs})
         print(f"{name:16s} torch calls / step {sum(step.values()):8.0f}   syncs / step {sum(syncs.values()):7.1f}  {syncs}",

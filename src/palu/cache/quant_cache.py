@@ -112,10 +112,11 @@ class _Stream:
         self.n = n1
         dev = x.device
         fp = torch.cat([self.head, rest], 2)
-        fp_index = torch.cat([torch.arange(h1, device=dev), torch.arange(start, n1, device=dev)])
+        # the indices on the host: the layer's bookkeeping never waits for the device (`QuantKVLayer.step`)
+        fp_index = torch.cat([torch.arange(h1), torch.arange(start, n1)])
         dq_parts = [t for t in (old_dq, new_dq) if t is not None]
         dq = torch.cat(dq_parts, 2) if dq_parts else x[:, :, :0]
-        dq_index = torch.arange(s, s + dq.shape[2], device=dev)   # encoded: tokens [sink, q1)
+        dq_index = torch.arange(s, s + dq.shape[2])   # encoded: tokens [sink, q1)
         return fp, fp_index, dq, dq_index
 
     def map(self, fn) -> None:
@@ -159,11 +160,19 @@ def hides_causal_keys(attention_mask, n0: int, T: int, window: int | None) -> bo
     return bool((causal & ~visible).any())
 
 
-def _lookup(index: torch.Tensor, n: int, dev) -> torch.Tensor:
-    """Column of each token in a tensor listing `index` tokens (-1: absent)."""
-    where = torch.full((n,), -1, dtype=torch.long, device=dev)
-    where[index] = torch.arange(index.numel(), device=dev)
+def _lookup(index: torch.Tensor, n: int) -> torch.Tensor:
+    """Column of each token in a tensor listing `index` tokens (-1: absent), on the host."""
+    where = torch.full((n,), -1, dtype=torch.long)
+    where[index] = torch.arange(index.numel())
     return where
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev` without waiting for the device's queue (a pinned, asynchronous
+    copy; a pageable one would synchronise the stream)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
 
 
 class QuantKVLayer(RowEdits, CacheLayerMixin):
@@ -217,13 +226,17 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if self.keep_positions:
             pos = positions.to(torch.int32).expand(B, -1)
             self.positions = pos if self.positions is None else torch.cat([self.positions, pos], 1)
-        tokens = torch.arange(n1, device=dev)
+        # Which form of each token each query sees is a function of integers the host holds (the
+        # schedule, n0, T): computed there, so no `nonzero` waits for the device. A padded batch's
+        # per-row path calls this for every row of every layer each step (~500 waits a step at a
+        # batch of 4 before: results/checks/decode-syncs.json).
+        tokens = torch.arange(n1)
         at_k = self.schedule.quantised_at(tokens, self.k.codec.block)
         at_v = self.schedule.quantised_at(tokens, self.v.codec.block)
         queries = torch.arange(n0, n1, device=dev)
         col_k, col_v, idx, masks = [], [], [], []
-        k_where = {False: _lookup(kfi, n1, dev), True: _lookup(kqi, n1, dev)}
-        v_where = {False: _lookup(vfi, n1, dev), True: _lookup(vqi, n1, dev)}
+        k_where = {False: _lookup(kfi, n1), True: _lookup(kqi, n1)}
+        v_where = {False: _lookup(vfi, n1), True: _lookup(vqi, n1)}
         never = torch.full_like(tokens, NEVER)
         for kq_form in (False, True):
             for vq_form in (False, True):
@@ -235,10 +248,12 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                 j = ok.nonzero().flatten()
                 if not j.numel():
                     continue
-                col_k.append((kq if kq_form else kf).index_select(2, k_where[kq_form][j]))
-                col_v.append((vq if vq_form else vf).index_select(2, v_where[vq_form][j]))
-                idx.append(j)
-                masks.append((lo[j][None, :] <= queries[:, None]) & (queries[:, None] < hi[j][None, :]))
+                # one copy: the tokens, their columns in the key / value tensors, their query interval
+                moved = _to_device(torch.stack([j, k_where[kq_form][j], v_where[vq_form][j], lo[j], hi[j]]), dev)
+                col_k.append((kq if kq_form else kf).index_select(2, moved[1]))
+                col_v.append((vq if vq_form else vf).index_select(2, moved[2]))
+                idx.append(moved[0])
+                masks.append((moved[3][None, :] <= queries[:, None]) & (queries[:, None] < moved[4][None, :]))
         index = torch.cat(idx)
         mask = torch.cat(masks, 1)[None, None]                        # (1, 1, T, S')
         if attention_mask is not None:                                # padding, sliding windows
