@@ -9,14 +9,16 @@ waits for the process's next slice. Counted on the CPU (the same calls run on th
 left-padded batch of 4 prompts of 229-256 tokens, as (calls with 17 new tokens - calls with 1) / 16
 = per decode step of the batch, all layers. KIVI's and Quest's per-row paths scale with the batch.
 
-Measured 2026-12-04 (results/checks/decode-syncs.json, after KIVI's fix): FP16 2,315 calls and 2
-syncs a step (generate's own stopping checks); Palu 5,966 / 2 (4-bit 11,234 / 2); SnapKV /
-PyramidKV 2,677 / 3; StreamingLLM / TOVA ~3,900 / 63; Quest 10,147 / 363; KIVI 41,220 / 3 — before
-its index bookkeeping moved to the host (`quant_cache.QuantKVLayer.step`), 38,713 / 483: 4 `nonzero`
-for each row of each layer. On the H200 at 13 jobs sharing, KIVI's RULER-style jobs had answered
-16 prompts in 8 min against ~300 for Palu's; SnapKV's answered 48 while hardly syncing, so its 8K
-prefill (attention scores over the whole prompt) is the other cost. On a CPU run every tensor is on
-the host, so `Count` tracks which side each tensor would be on (its docstring).
+Measured 2026-12-04 (results/checks/decode-syncs.json, after this session's fixes): FP16 2,315
+calls and 2 syncs a step (generate's own stopping checks); Palu 5,966 / 2 (4-bit 11,234 / 2);
+SnapKV / PyramidKV 2,677 / 3; StreamingLLM / TOVA ~3,900 / 63 (`slots_of`: two per layer); Quest
+8,887 / 3; KIVI 41,220 / 3. Before: KIVI 38,713 / 483 (4 `nonzero` for each row of each layer,
+`quant_cache.QuantKVLayer.step`), Quest 10,147 / 483 (per row and layer a `nonzero`, a boolean-mask
+index, a pad read and a check, `subset_attention._by_row`). On the H200 at 13 jobs sharing, KIVI's
+and Quest's RULER-style jobs had answered 16 prompts in 8 min against ~300 for Palu's; SnapKV's
+answered 48 while hardly syncing, so its 8K prefill (attention scores over the whole prompt) is the
+other cost. On a CPU run every tensor is on the host, so `Count` tracks which side each tensor
+would be on (its docstring).
 
     python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json
 """
@@ -44,7 +46,15 @@ METHODS = {"fp16": None, "palu-50%": {"name": "palu", "checkpoint": PALU},
            "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
            "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
            "tova": {"name": "tova", "budget": 128}, "quest": {"name": "quest", "page": 16, "budget": 64}}
-SYNCS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy", "unique"}
+SYNCS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy", "unique",
+         "masked_select"}
+MASKED = {"__getitem__", "index"}   # indexing with a boolean mask: its result's size is data
+
+
+def _has_bool_index(args) -> bool:
+    index = args[1] if len(args) > 1 else None
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
 
 
 class Count(TorchFunctionMode):
@@ -78,8 +88,8 @@ class Count(TorchFunctionMode):
         self.calls[name] += 1
         device = (self._on_device(list(args)) or "device" in kwargs
                   or any(self._on_device(v) for v in kwargs.values()))
-        if name in SYNCS and device:
-            self.syncs[name] += 1
+        if device and (name in SYNCS or (name in MASKED and _has_bool_index(args))):
+            self.syncs[name if name in SYNCS else f"{name}[bool mask]"] += 1
         out = func(*args, **kwargs)
         if device:
             for t in (out if isinstance(out, (list, tuple)) else [out]):

@@ -41,6 +41,7 @@ class SubsetKVAttention(FullHeads):
         lay = cache.layers[self.layer_idx]
         if old_k is None:
             lay.pads = left_pads(attention_mask, B, T, self.method.name)
+            lay.host_pads = None if lay.pads is None else lay.pads.tolist()   # once, at the prefill
         H, pads = self.geom.num_kv_heads, lay.pads
         slots = torch.arange(seen, seen + T, device=x.device, dtype=torch.int32)
         q_pos = slots.expand(B, 1, T)
@@ -58,7 +59,7 @@ class SubsetKVAttention(FullHeads):
         if T == 1 and old_k is not None and (pads is None or selects):
             chosen = (policy.select(q, keys, positions) if pads is None
                       else _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.select(qb, kb, posb),
-                                   q, keys, positions, q_pos, seen + T, pads, select=True))
+                                   q, keys, positions, q_pos, seen + T, pads, select=True, layer=lay))
             if chosen is not None:
                 mask = mask & chosen[:, :, None, :]
         mask = mask.repeat_interleave(self.geom.n_rep, dim=1)       # per query head
@@ -76,8 +77,9 @@ class SubsetKVAttention(FullHeads):
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
                 self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),
-                q, keys, positions, q_pos, seen + T, pads)
+                q, keys, positions, q_pos, seen + T, pads, layer=lay)
         if keep is not None:
+            lay.whole = False    # slots dropped, fillers in: a row's tokens are found on the device
             keep, fillers = keep if pads is not None else (keep, None)
             keys, values = gather_slots(keys, keep), gather_slots(values, keep)
             positions = positions.gather(2, keep)
@@ -87,17 +89,26 @@ class SubsetKVAttention(FullHeads):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
 
 
-def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: bool = False):
+def _by_row(cache, B, decide, q, keys, positions, q_pos, seen, pads, select: bool = False, layer=None):
     """A policy's decision for a padded batch, row by row over each row's own tokens (its real
     slots and queries, its own seen count and policy state), as the row's prompt alone would
     decide it. keep: (B, H, n) slot indices and their filler flags (`slots_of`); select:
-    (B, H, S) bool. None: every row keeps (reads) all."""
+    (B, H, S) bool. None: every row keeps (reads) all. `layer`: the cache layer, whose host copy
+    of the pads (and, before any eviction, the rows' slot ranges) spares the device a wait per row."""
     rows, any_change = [], False
+    host = None if layer is None else layer.host_pads
+    T, S = q.shape[2], positions.shape[2]
     for b in range(B):
-        idx = real_slots(positions[b:b + 1])                                   # (1, H, n_b)
-        qb = q[b:b + 1, :, (q_pos[b, 0] >= 0)]
+        if host is not None and layer.whole:    # row b's tokens: slots [pad, S); its queries: the last
+            pad = host[b]                       # T - max(0, pad - first query's slot)
+            idx = torch.arange(pad, S, device=positions.device).expand(1, positions.shape[1], -1)
+            qb = q[b:b + 1, :, max(0, pad - (seen - T)):]
+        else:
+            idx = real_slots(positions[b:b + 1])                                   # (1, H, n_b)
+            qb = q[b:b + 1, :, (q_pos[b, 0] >= 0)]
+            pad = host[b] if host is not None else int(pads[b])
         got = decide(cache.policy_of_row(b, B), b, qb, gather_slots(keys[b:b + 1], idx),
-                     positions[b:b + 1].gather(2, idx), seen - int(pads[b]))
+                     positions[b:b + 1].gather(2, idx), seen - pad)
         any_change |= got is not None
         rows.append((idx, got))
     if not any_change:

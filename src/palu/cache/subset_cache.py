@@ -69,6 +69,11 @@ class _SubsetLayer(CacheLayerMixin):
         self.keys = self.values = self.positions = None
         self.seen = 0        # token slots seen, a row's left pads included (the next slot's index)
         self.pads = None     # (B,) left pads per row of a padded batch; None: no row padded
+        # the same on the host, and whether every slot since then holds a token of its row (no
+        # eviction yet, so row b's tokens are slots [pads[b], seen)): a decode step then finds
+        # each row's tokens without waiting for the device (subset_attention._by_row)
+        self.host_pads: list[int] | None = None
+        self.whole = True
 
     def lazy_initialization(self, key_states, value_states=None):
         self.is_initialized = True
@@ -98,6 +103,8 @@ class _SubsetLayer(CacheLayerMixin):
             self.keys, self.values, self.positions = fn(self.keys), fn(self.values), fn(self.positions)
         if self.pads is not None:
             self.pads = fn(self.pads)
+        if self.host_pads is not None:
+            self.host_pads = [self.host_pads[i] for i in fn(torch.arange(len(self.host_pads))).tolist()]
 
 
 class SubsetKVCache(RowEdits, Cache):
