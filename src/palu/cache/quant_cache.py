@@ -110,7 +110,6 @@ class _Stream:
         self.head, self.tail = fp_all[:, :, :h1], rest[:, :, q1 - start:]
         self.enc = _cat([self.enc, new])
         self.n = n1
-        dev = x.device
         fp = torch.cat([self.head, rest], 2)
         # the indices on the host: the layer's bookkeeping never waits for the device (`QuantKVLayer.step`)
         fp_index = torch.cat([torch.arange(h1), torch.arange(start, n1)])

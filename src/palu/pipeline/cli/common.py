@@ -36,7 +36,7 @@ GPU_SHARE_ENV = "PALU_GPU_SHARE"
 
 def limit_gpu_share(device: str, share: str | None = None) -> float | None:
     """Hold this job to its share of the GPU's memory when several jobs share one GPU (the
-    workflow sets `PALU_GPU_SHARE` = 1 / its `gpu` resource). Without a cap, one job's cached
+    workflow sets `PALU_GPU_SHARE` = 0.95 / its `gpu` resource). Without a cap, one job's cached
     memory starves the others until a batch of one fails; with it, each job's `batch_size: auto`
     halves inside its own share. Returns the share applied (None: none)."""
     share = os.environ.get(GPU_SHARE_ENV) if share is None else share
