@@ -178,14 +178,16 @@ def test_palu_snapkv_generates_as_its_token_by_token_loop_on_a_deeper_gqa_model(
     assert all(layer.keys.shape[-2] == T // 2 + 5 for layer in cache.layers)   # the last token too
 
 
-def test_palu_snapkv_refuses_a_padded_batch(one_layer, palu_checkpoints):
+def test_palu_snapkv_refuses_padding_anywhere_but_on_the_left(one_layer, palu_checkpoints):
+    """A left-padded batch is served row by row (test_padded_batches.py); a row's pads after its
+    first token would be voted for and kept: refused by name."""
     base, ids, _ = one_layer
     method = build_method({"name": "palu_snapkv", "checkpoint": palu_checkpoints[0.5], **EVICT})
     model = copy.deepcopy(base)
     method.install(model)
     mask = torch.ones(2, T, dtype=torch.long)
-    mask[1, :3] = 0
-    with pytest.raises(ValueError, match="padded batch"), torch.no_grad():
+    mask[1, 3:5] = 0
+    with pytest.raises(ValueError, match="serves left-padded batches"), torch.no_grad():
         model(ids[:, :T].expand(2, -1), attention_mask=mask, past_key_values=method.make_cache(model),
               use_cache=True)
 

@@ -8,8 +8,8 @@ batch by name. Parametrised over `method_names()`: a new method must be added to
 |---|---|
 | fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to each prompt alone (per-token storage) |
 | snapkv, pyramidkv, streaming_llm, tova, h2o, quest | equal to each prompt alone (each row's policy decides over its own tokens, ragged kept sets led by masked fillers; bytes from the row's own view) |
-| kivi, kvquant, kivi_snapkv | refused: groups / windows / the first token counted by place in the row |
-| palu_snapkv | refused: SnapKV counts a row's tokens in the latent cache |
+| kivi, kvquant, kivi_snapkv | equal to each prompt alone (the rows are apart: one row layer each, its groups, window and sink counted from its first token; kivi_snapkv: each row layer evicts among its own tokens) |
+| palu_snapkv (16 / 4-bit) | equal to each prompt alone (each row votes over its own tokens with its own queries; ragged kept sets led by masked filler slots, the latent cache's own mask) |
 | palu_select | equal to each prompt alone (a row chooses among its own tokens; the chosen are read through its mask) |
 """
 import copy
@@ -39,7 +39,7 @@ CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture
     "h2o": {"h2o": {"budget": 6, "window": 2}},
     "quest": {"quest": {"page": 2, "budget": 4}},
     "palu_select": {"palu_select": {"checkpoint": "CKPT", "tokens": 4, "window": 2}},
-    "palu_snapkv": {"palu_snapkv": {"checkpoint": "CKPT", **EVICT}},
+    "palu_snapkv": {f"palu_snapkv-b{b}": {"checkpoint": "CKPT", "bits": b, **EVICT} for b in (16, 4)},
 }
 VARIANTS = [(name, variant) for name in method_names() for variant in CONFIGS.get(name, {None: None})]
 TABLE: dict[str, str] = {}
@@ -190,8 +190,8 @@ def test_generate_without_the_methods_cache_gives_its_answer_or_is_refused(base,
 
 @pytest.mark.parametrize("name,variant", [(n, v) for n, v in VARIANTS if v is not None])
 def test_methods_that_refuse_padding_batch_prompts_of_one_length(base, paths, name, variant):
-    """A method whose cache counts tokens by place in the row (KIVI, KVQuant, the SnapKV
-    compositions) refuses a padded batch, but an unpadded one is exact: `answer_batches` groups
+    """A method that refuses a padded batch (none registered since session 32: KIVI, KVQuant and
+    the SnapKV compositions were) must still be exact on an unpadded one: `answer_batches` groups
     prompts of one length, and each row's answer and bytes (taken when the row ends) equal
     batch 1's."""
     method, model = _installed(base, paths, name, variant)

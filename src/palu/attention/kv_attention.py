@@ -51,8 +51,19 @@ class QuantKVAttention(FullHeads):
             enable_gqa=self.geom.n_rep > 1)
         eviction = getattr(self.method, "eviction", None)     # a composition with SnapKV
         if eviction is not None and past == 0 and T > 1:
-            keep = eviction.keep(self.layer_idx, q, k, None, T, prefill=True, scale=self.softmax_scale())
+            self._evict(eviction, cache.layers[self.layer_idx], q, k, v, T)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
+
+    def _evict(self, eviction, layer, q, k, v, T: int) -> None:
+        """After the prefill, hold only the tokens `eviction` keeps. A left-padded batch's rows
+        are apart (`QuantKVLayer.rows`): each row chooses among its own real tokens, with its own
+        queries, and its row layer holds what that prompt alone would."""
+        scale = self.softmax_scale()
+        parts = ([(layer, slice(None), 0)] if layer.rows is None
+                 else [(row, slice(b, b + 1), pad) for b, (row, pad) in enumerate(zip(layer.rows, layer.pads))])
+        for store, rows, pad in parts:
+            qb, kb, vb = q[rows, :, pad:], k[rows, :, pad:], v[rows, :, pad:]
+            keep = eviction.keep(self.layer_idx, qb, kb, None, T - pad, prefill=True, scale=scale)
             if keep is not None:
                 pick = lambda t: t.gather(2, keep[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
-                cache.layers[self.layer_idx].evict(pick(k), pick(v), T)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
+                store.evict(pick(kb), pick(vb), T - pad)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer
 
-from ..cache.protocol import LatentStore, TensorLatents
+from ..cache.protocol import LatentStore, TensorLatents, left_pads
 from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm
 from .observation import window_votes
 from .rope import apply_rope
@@ -168,9 +168,9 @@ class PaluAttention(nn.Module):
                              "every cached token. Prefill the prompt in one forward and decode one "
                              "token a step (no assistant_model / prompt_lookup_num_tokens)")
         evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
-        if evicting:
-            from .subset_attention import _check_unpadded
-            _check_unpadded(attention_mask, "Palu + SnapKV")
+        pads = None   # a left-padded batch's prefill eviction: each row votes over its own tokens
+        if evicting and (found := left_pads(attention_mask, B, T, "Palu + SnapKV")) is not None:
+            pads = found.tolist()
         out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
                                                            attention_mask)
         if out is not None:   # the kernels served this step
@@ -224,7 +224,10 @@ class PaluAttention(nn.Module):
             else:
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
             if votes is not None:
-                votes.append(window_votes(qg, kg, self.eviction.window, self._sdpa_scale()))
+                w, scale = self.eviction.window, self._sdpa_scale()
+                votes.append(window_votes(qg, kg, w, scale) if pads is None else
+                             [window_votes(qg[b:b + 1, :, p:], kg[b:b + 1, :, p:], w, scale)
+                              for b, p in enumerate(pads)])
             gmask = mask
             if idx is not None:   # the chosen tokens' columns of the mask (pads stay hidden)
                 gmask = None if visible is None else visible.gather(1, idx)[:, None, None, :]
@@ -234,13 +237,28 @@ class PaluAttention(nn.Module):
             else:
                 heads.append(z)
         if votes is not None:   # one set per layer: its groups' latents share one token axis
-            keep = self.eviction.choose(self.layer_idx, torch.cat(votes, 1).mean(1, keepdim=True), S)
-            if keep is not None:
-                past_key_values.layers[self.layer_idx].evict(keep[:, 0], S)
+            layer = past_key_values.layers[self.layer_idx]
+            if pads is not None:
+                self._evict_rows(layer, votes, pads, S)
+            elif (keep := self.eviction.choose(self.layer_idx, torch.cat(votes, 1).mean(1, keepdim=True), S)) is not None:
+                layer.evict(keep[:, 0], S)
         if self.fuse:
             return torch.stack(outs).sum(0) + self.o_bias_fused, None
         attn = torch.cat(heads, 1).transpose(1, 2).reshape(B, T, -1)                 # (B, T, nh*hd)
         return self.o_proj(attn), None
+
+    def _evict_rows(self, layer, votes, pads: list[int], S: int) -> None:
+        """A left-padded batch's prefill eviction: row b chooses among its own S - pads[b] tokens
+        from its own queries' votes (`votes`: per group, per row), as that prompt alone would;
+        rows that keep fewer tokens than the longest are led by masked filler slots."""
+        keeps = []
+        for b, p in enumerate(pads):
+            row = torch.cat([group[b] for group in votes], 1).mean(1, keepdim=True)   # (1, 1, S - p - w)
+            got = self.eviction.choose(self.layer_idx, row, S - p)
+            keeps.append(torch.arange(p, S, device=row.device) if got is None else got[0, 0] + p)
+        n = max(len(k) for k in keeps)
+        keep = torch.stack([torch.cat([k.new_zeros(n - len(k)), k]) for k in keeps])
+        layer.evict(keep, S, lead=[n - len(k) for k in keeps])
 
     def _evicts_after(self, T: int, cache) -> bool:
         """Whether this step is a prefill after which the eviction policy chooses what stays."""

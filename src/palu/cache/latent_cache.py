@@ -19,6 +19,7 @@ token, O(T^2) per generation). The prefill is stored exactly, without spare room
 """
 from __future__ import annotations
 
+import copy
 import itertools
 
 import torch
@@ -77,6 +78,10 @@ class LatentLayer(DynamicLayer):
         # serves the others (`update_latent`'s memo). 0: no positions yet.
         self._history = 0
         self._room: dict[str, torch.Tensor] = {}      # the buffers the per-token tensors view
+        # After a left-padded batch's prefill eviction (palu_snapkv), each row's kept tokens are
+        # led by `lead[b]` masked filler slots (rows keep different numbers): (B,) on the device.
+        # The model's padding mask no longer lines up with the slots held, so `mask` is built here.
+        self.lead: torch.Tensor | None = None
 
     def _extend(self, name: str, view: torch.Tensor | None, shape, dim: int, dtype, device) -> torch.Tensor:
         """`view` (a prefix of the buffer `name`, or any tensor) lengthened by shape[dim] unwritten
@@ -184,13 +189,15 @@ class LatentLayer(DynamicLayer):
         # masks span the tokens held (an evicted token has no column)
         return super().get_seq_length() + query_length, 0
 
-    def evict(self, keep: torch.Tensor, seen: int) -> None:
+    def evict(self, keep: torch.Tensor, seen: int, lead: list[int] | None = None) -> None:
         """Hold only the tokens at indices `keep` (B, n) of those stored (one set per sequence,
         for every group: the groups' latents share one token axis), with their positions, so
-        later keys are still rebuilt and rotated where their tokens were."""
+        later keys are still rebuilt and rotated where their tokens were. `lead`: a left-padded
+        batch's rows, each its first `lead[b]` slots masked fillers (its own tokens after them)."""
         held = super().get_seq_length()
 
         def take(t, dim):
+            t = t.expand(keep.shape[0], *t.shape[1:])
             idx = keep.view(keep.shape[0], *([1] * (dim - 1)), keep.shape[1], *([1] * (t.dim() - dim - 1)))
             return t.gather(dim, idx.expand(*t.shape[:dim], keep.shape[1], *t.shape[dim + 1:]))
         self.keys, self.values = take(self.keys, self.keys.dim() - 2), take(self.values, self.values.dim() - 2)
@@ -199,10 +206,28 @@ class LatentLayer(DynamicLayer):
                 setattr(self, name, take(getattr(self, name), 1))
         self.positions = take(self.positions, 1)
         self._room = {}                  # gathered tensors: the next append grows new buffers
-        self.contiguous = bool((self.positions == self.positions[:, :1]
-                                + torch.arange(keep.shape[1], device=keep.device)).all())
+        self.contiguous = lead is None and bool((self.positions == self.positions[:, :1]
+                                                 + torch.arange(keep.shape[1], device=keep.device)).all())
+        self.lead = None if lead is None else torch.tensor(lead, device=keep.device)
         self._history = next(_FRESH)
         self.evicted += held - keep.shape[1]
+
+    def row(self, b: int) -> "LatentLayer":
+        """Row `b` alone: its slots after any filler, as a one-row layer (bytes as that prompt
+        alone holds them)."""
+        out = LatentLayer(self.bits)
+        out.ranks, out.evicted, out.contiguous = self.ranks, self.evicted, self.contiguous
+        if self.keys is None:
+            return out
+        out.is_initialized, out.dtype, out.device = True, self.dtype, self.device
+        lead = 0 if self.lead is None else int(self.lead[b])
+
+        def mine(t, dim):
+            return None if t is None else t[b:b + 1].narrow(dim, lead, t.shape[dim] - lead)
+        out.keys, out.values = mine(self.keys, self.keys.dim() - 2), mine(self.values, self.values.dim() - 2)
+        out.key_sz, out.value_sz = mine(self.key_sz, 1), mine(self.value_sz, 1)
+        out.positions = mine(self.positions.expand(self.keys.shape[0], -1), 1)
+        return out
 
     def latents(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed mode: all stored key and value latents dequantised, (B, T, R) each."""
@@ -221,7 +246,7 @@ class LatentLayer(DynamicLayer):
     def _map_extras(self, fn) -> None:
         """Apply `fn` to the per-token tensors kept beside keys/values (batch first, then T)."""
         self._history = next(_FRESH)   # positions changed outside update_latent
-        for name in ("positions", "key_sz", "value_sz"):
+        for name in ("positions", "key_sz", "value_sz", "lead"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
 
@@ -273,7 +298,13 @@ class _StoredLatentLayer:
         return self._positions
 
     def mask(self, attention_mask, T: int):
-        return causal_mask(attention_mask, T, self._positions.shape[-1], self._positions.device)
+        lead, S = self.layer.lead, self._positions.shape[-1]
+        if lead is None:
+            return causal_mask(attention_mask, T, S, self._positions.device)
+        # a padded batch after its prefill eviction: a row's fillers hidden, its own tokens causal
+        j = torch.arange(S, device=lead.device)
+        t = torch.arange(S - T, S, device=lead.device)[:, None]
+        return (j[None] >= lead[:, None])[:, None, None, :] & (j[None] <= t)[None, None]
 
     kernel_mask = mask
 
@@ -299,7 +330,7 @@ class LatentCache(Cache):
     query sees, so the window is honoured exactly; the bytes count every kept token."""
 
     def __init__(self, model=None, num_layers: int | None = None, bits=UNQUANTISED,
-                 channel_group: int | None = None):
+                 channel_group: int | None = None, evicts: bool = False):
         n = num_layers if num_layers is not None else (model.config.num_hidden_layers if model is not None else None)
         if n is None:
             raise ValueError("LatentCache needs the model or num_layers")
@@ -324,6 +355,20 @@ class LatentCache(Cache):
         self.bits = per_layer[0] if len(set(per_layer)) == 1 else None
         self.channel_group = channel_group
         self._contiguity_memo: dict = {}   # one contiguity check per step, not per layer
+        self.evicts = evicts   # a prefill-eviction composition (palu_snapkv): rows keep their own tokens
+
+    def row_bytes_by_snapshot(self) -> bool:
+        """Whether a row's bytes are taken when it ends (`row(b)`): after a prefill eviction a
+        batch's rows hold different numbers of tokens, not a per-token share of the batch."""
+        return self.evicts
+
+    holds_rows_apart = row_bytes_by_snapshot
+
+    def row(self, b: int) -> "LatentCache":
+        """Row `b` of a batch as a cache of its own: the slots it holds after any filler."""
+        one = copy.copy(self)
+        one.layers = [layer.row(b) for layer in self.layers]
+        return one
 
     def update_latent(self, hk, hv, positions, layer_idx: int, ranks=None, dequantize: bool = True):
         return self.layers[layer_idx].update_latent(hk, hv, positions, ranks, dequantize,

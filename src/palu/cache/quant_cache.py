@@ -28,6 +28,8 @@ One that counts tokens (a sink, a window, blocks of several tokens: KIVI, KVQuan
 row's pad tokens too; for a left-padded batch its layer holds one row layer per row instead, each
 storing only that row's real tokens (sink, window and blocks counted from the row's first token,
 as alone), and a step's view is the rows' views side by side, filler columns masked (`_step_rows`).
+A prefill-eviction composition (KIVI + SnapKV, `evicts`) keeps a padded batch's rows apart too, so
+each row layer evicts among its own tokens.
 """
 from __future__ import annotations
 
@@ -179,11 +181,12 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, key_codec: Codec, value_codec: Codec, schedule: Schedule, layer: int,
-                 keep_positions: bool):
+                 keep_positions: bool, evicts: bool = False):
         super().__init__()
         self.k = _Stream(key_codec, schedule, layer)
         self.v = _Stream(value_codec, schedule, layer)
         self.schedule, self.layer_idx, self.keep_positions = schedule, layer, keep_positions
+        self.evicts = evicts   # a prefill-eviction composition: each row of a batch chooses its own tokens
         self.positions: torch.Tensor | None = None
         self.evicted = 0   # tokens seen but no longer held (a prefill-eviction composition)
         # a left-padded batch of a method that counts tokens: one layer per row, its real tokens
@@ -207,6 +210,12 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         return bool(self.schedule.sink or self.schedule.window or self.k.codec.block > 1
                     or self.v.codec.block > 1)
 
+    @property
+    def keeps_rows_apart(self) -> bool:
+        """Whether a left-padded batch is held one row layer per row: its code counts tokens,
+        or each row evicts among its own tokens (a prefill-eviction composition)."""
+        return self.counts_tokens or self.evicts
+
     def step(self, keys, values, positions, attention_mask, window: int | None = None,
              owner: str | None = None) -> QuantKVView:
         """Store this step's keys and values (B, H, T, d) at `positions` ((B or 1, T)); return
@@ -215,7 +224,7 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
         n0 = self.k.n
-        if self.rows is None and self.counts_tokens and hides_causal_keys(attention_mask, n0, T, window):
+        if self.rows is None and self.keeps_rows_apart and hides_causal_keys(attention_mask, n0, T, window):
             self._split_rows(attention_mask, B, T, n0, window, owner)
         if self.rows is not None:
             return self._step_rows(keys, values, positions, owner)
@@ -271,9 +280,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
             raise TypeError("a pre-RoPE quantised cache cannot evict: its keys are rotated at "
                             "positions kept per token, not per KV head")
         if self.rows is not None:
-            raise ValueError("a padded batch: prefill eviction over a quantised cache chooses among "
-                             "a row's pad tokens too (SnapKV scores the batch's last queries). Run "
-                             "each prompt alone, or batch prompts of one length")
+            raise ValueError("a padded batch's rows are apart: evict each row layer (`rows`) among "
+                             "its own tokens, not the batch, whose columns hold pad tokens")
         self.k = _Stream(self.k.codec, self.schedule, self.layer_idx)
         self.v = _Stream(self.v.codec, self.schedule, self.layer_idx)
         self.k.step(keys)
@@ -324,7 +332,7 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                              f"only under full attention. Run each prompt alone (batch size 1)")
         pads = left_pads(attention_mask, B, T, what)
         self.rows = [QuantKVLayer(self.k.codec, self.v.codec, self.schedule, self.layer_idx,
-                                  self.keep_positions) for _ in range(B)]
+                                  self.keep_positions, self.evicts) for _ in range(B)]
         self.pads, self.width = [int(p) for p in pads], 0
 
     def _step_rows(self, keys, values, positions, owner) -> QuantKVView:
@@ -381,8 +389,8 @@ class QuantKVCache(Cache):
     attention module refuses a cache of another method)."""
 
     def __init__(self, key_codec: Codec, value_codec: Codec, schedule: Schedule, num_layers: int,
-                 keep_positions: bool = False, owner=None):
-        super().__init__(layers=[QuantKVLayer(key_codec, value_codec, schedule, i, keep_positions)
+                 keep_positions: bool = False, owner=None, evicts: bool = False):
+        super().__init__(layers=[QuantKVLayer(key_codec, value_codec, schedule, i, keep_positions, evicts)
                                  for i in range(num_layers)])
         self.owner = owner
 
@@ -396,9 +404,9 @@ class QuantKVCache(Cache):
 
     def row_bytes_by_snapshot(self) -> bool:
         """Whether a row's bytes are taken when it ends (`row(b)` once rows are apart, or an even
-        share of an unpadded batch): codes that count tokens (KIVI, KVQuant) are not a per-token
-        share of the batch's bytes; per-token codes (Atom, TurboQuant) are."""
-        return self.layers[0].counts_tokens
+        share of an unpadded batch): codes that count tokens (KIVI, KVQuant) and rows that evict
+        are not a per-token share of the batch's bytes; per-token codes (Atom, TurboQuant) are."""
+        return self.layers[0].keeps_rows_apart
 
     def row(self, b: int) -> "QuantKVCache":
         """Row b of a batch whose rows are apart (`holds_rows_apart`), as a cache of its own."""

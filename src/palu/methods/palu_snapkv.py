@@ -2,7 +2,10 @@
 SnapKV's observation window votes for (and of every decoded token), at `bits`. A layer keeps one
 set of tokens, voted for by all its query heads together (SnapKV alone keeps a set per KV head):
 Palu's latents of a layer share one token axis, and a G-LRD latent serves several heads at once.
-Kept keys are rebuilt and rotated at their own positions. Bytes stored = bytes read per step."""
+Kept keys are rebuilt and rotated at their own positions. Bytes stored = bytes read per step.
+A left-padded batch: each row votes over its own tokens with its own queries and keeps what its
+prompt alone keeps, led by masked filler slots where it keeps fewer than the longest row
+(`PaluAttention._evict_rows`, `LatentLayer.lead`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +21,7 @@ from .prefill_eviction import PrefillEviction
 class PaluSnapKV(Palu, PrefillEviction):
     name = "palu_snapkv"
     one_pass = False
-    padded_batches = False   # SnapKV counts a row's tokens (refused)
+    padded_batches = True    # each row of a left-padded batch votes and keeps among its own tokens
 
     def check(self) -> None:
         super().check()

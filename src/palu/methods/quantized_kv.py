@@ -65,7 +65,8 @@ class QuantizedKV(CacheMethod):
     def make_cache_for(self, num_layers: int) -> QuantKVCache:
         _, key_codec, value_codec = self._parts()
         return QuantKVCache(key_codec, value_codec, self.schedule(), num_layers,
-                            keep_positions=self.pre_rope, owner=self.tag)
+                            keep_positions=self.pre_rope, owner=self.tag,
+                            evicts=getattr(self, "eviction", None) is not None)
 
     def make_cache(self, model):
         return self.make_cache_for(model.config.num_hidden_layers)
