@@ -411,3 +411,38 @@ def test_a_padded_batch_decides_every_row_at_once_as_each_row_alone(policy):
         kept = idx if alone is None else idx.gather(2, alone)
         want = torch.zeros(1, H, S, dtype=torch.bool).scatter_(-1, kept, True)
         assert torch.equal(held[b:b + 1], want), (policy, b)
+
+
+@pytest.mark.parametrize("conf", [{"name": "streaming_llm", "sink": 1, "window": 4},
+                                  {"name": "tova", "budget": 5}])
+def test_a_padded_batchs_kept_width_known_on_the_host_is_the_fullest_rows(conf, monkeypatch):
+    """StreamingLLM and TOVA name the kept width of a padded batch from host counts
+    (`SubsetPolicy.padded_width`), so a decode step waits for no device: at every step the cache
+    is exactly as wide as its fullest row (no slot is a filler in every row), and the cache holds
+    what it holds when the width is counted on the device."""
+    import palu.cache.subset_cache as subset_cache
+    base = tiny_llama(0).double()
+    method, model = _installed(base, conf)
+    prompts = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
+    n = max(map(len, prompts))
+    ids = torch.tensor([[0] * (n - len(p)) + p for p in prompts])
+    mask = (torch.arange(n)[None] >= torch.tensor([n - len(p) for p in prompts])[:, None]).long()
+
+    def run():
+        cache = method.make_cache(model)
+        widths, x, m = [], ids, mask
+        with torch.no_grad():
+            for _ in range(10):
+                logits = model(x, attention_mask=m, past_key_values=cache, use_cache=True).logits[:, -1]
+                x, m = logits.argmax(-1, keepdim=True), torch.cat([m, torch.ones(3, 1, dtype=torch.long)], 1)
+                for lay in cache.layers:
+                    real = (lay.positions >= 0).sum(-1)                      # (B, H)
+                    widths.append((lay.positions.shape[-1], int(real.max())))
+        return cache, widths
+    cache, widths = run()
+    assert all(slots == fullest for slots, fullest in widths), widths
+    assert min(slots for slots, _ in widths) < n + 10          # it evicted
+    monkeypatch.setattr(type(method.policy), "padded_width", lambda self, slots, seen: None)
+    device, _ = run()
+    for a, b in zip(cache.layers, device.layers):
+        assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)

@@ -73,7 +73,9 @@ class SubsetKVAttention(FullHeads):
             keep = None
         elif (held := policy.keep_padded(self.layer_idx, q, keys, positions, seen + T - pads,
                                          scale=scale)) is not None:            # every row at once
-            keep = slots_of(held)
+            width = (None if lay.host_pads is None else
+                     policy.padded_width(keys.shape[2], [seen + T - p for p in lay.host_pads]))
+            keep = slots_of(held, width)
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
                 self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),

@@ -55,6 +55,13 @@ class SubsetPolicy:
         batch decides row by row (`keep`, one call per row)."""
         return None
 
+    def padded_width(self, slots: int, seen: list[int]) -> int | None:
+        """The most tokens any row holds after `keep_padded` over `slots` slots (`seen`: each row's
+        tokens seen, on the host), so the cache finds the kept width without waiting for the
+        device (`slots_of`). A row holds at most `slots` real tokens and one row holds exactly
+        that many (the batch is as wide as its fullest row). None: not known on the host."""
+        return None
+
     def map_rows(self, layer: int, fn) -> None:
         """Apply `fn` (a reordering, repetition or selection of the batch axis, dim 0) to any state
         the policy holds per row of `layer` (H2O's accumulated scores); default: none held."""
@@ -195,13 +202,19 @@ def gather_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.gather(2, idx[..., None].expand(-1, -1, -1, t.shape[-1]))
 
 
-def slots_of(held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def slots_of(held: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(B, H, n) slot indices of the held tokens, rows holding fewer than the most led by filler
-    slots, and the (B, H, n) filler flags; None when every slot is held."""
-    if bool(held.all()):
+    slots, and the (B, H, n) filler flags; None when every slot is held. `width`: the most tokens
+    a row holds, if the host knows it (`SubsetPolicy.padded_width`: no wait for the device; a
+    width of every slot means no row drops a token of its own, only pads and fillers, which stay)."""
+    S = held.shape[-1]
+    if width is None:
+        if bool(held.all()):
+            return None
+        width = int(held.sum(-1).max())
+    elif width >= S:
         return None
     counts = held.sum(-1)                                            # (B, H)
-    width = int(counts.max())
     # held slots sort last, in slot order: a stable sort of the flags
     order = torch.sort(held.to(torch.int8), dim=-1, stable=True).indices[..., -width:]
     fillers = torch.arange(width, device=held.device) < (width - counts)[..., None]   # (B, H, n)

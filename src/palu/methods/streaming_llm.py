@@ -25,6 +25,10 @@ class StreamingPolicy(SubsetPolicy):
         pos, seen = positions, seen.view(-1, 1, 1)
         return (pos >= 0) & ((pos < self.sink) | (pos > seen - self.window))
 
+    def padded_width(self, slots, seen):
+        # a row that has seen n tokens holds its first `sink` and its last `window - 1`
+        return min(slots, max(seen), self.sink + self.window - 1)
+
     def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
         # what the next query (position `seen`) may see
         held = (positions[0, 0] < self.sink) | (positions[0, 0] > seen - self.window)

@@ -29,6 +29,10 @@ class TovaPolicy(SubsetPolicy):
         votes = weights[:, :, 0].view(B, H, n_rep, S).mean(2)                # (B, H, S)
         return votes.topk(self.budget, dim=-1).indices.sort(-1).values
 
+    def padded_width(self, slots, seen):
+        # a row keeps min(its tokens, budget); the fullest row holds `slots` tokens
+        return min(slots, self.budget)
+
     def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
         real = positions >= 0                                                # (B, H, S)
         B, H, S, d = keys.shape
