@@ -108,8 +108,8 @@ def test_reordering_rows_moves_positions_and_scores_with_keys(base, conf):
     for a, b in zip(moved.layers, swapped.layers):
         for name in ("keys", "values", "positions"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
-    for layer, scores in getattr(swapped.policy, "scores", {}).items():
-        assert torch.equal(moved.policy.scores[layer], scores)
+    for layer, scores in getattr(swapped.policy, "accumulated", {}).items():   # H2O's state
+        assert torch.equal(moved.policy.accumulated[layer], scores)
     nxt = _ids(1, 7, rows=2)
     with torch.no_grad():
         assert torch.equal(model(nxt[[1, 0]], past_key_values=moved).logits,
@@ -125,7 +125,7 @@ def test_beam_search_through_h2o_runs_and_repeats_rows_whole(base):
         model(_ids(12, 4), past_key_values=cache)
     cache.batch_repeat_interleave(3)
     assert all(lay.positions.shape[0] == 3 for lay in cache.layers)
-    assert all(s.shape[0] == 3 for s in cache.policy.scores.values())
+    assert all(s.shape[0] == 3 for s in cache.policy.accumulated.values())
     out = model.generate(_ids(12, 4), max_new_tokens=5, num_beams=3, do_sample=False,
                          past_key_values=method.make_cache(model))
     assert out.shape == (1, 17)
@@ -153,7 +153,7 @@ def test_reordering_a_padded_batch_moves_each_rows_own_state(base):
     a, b = moved.row(0), before.row(1)
     for la, lb in zip(a.layers, b.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.positions, lb.positions) and la.seen == lb.seen
-    assert all(torch.equal(a.policy.scores[i], b.policy.scores[i]) for i in b.policy.scores)
+    assert all(torch.equal(a.policy.accumulated[i], b.policy.accumulated[i]) for i in b.policy.accumulated)
     assert before.row(0).layers[0].seen == 8 and before.row(1).layers[0].seen == 13
 
 

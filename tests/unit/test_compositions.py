@@ -219,3 +219,38 @@ def test_palu_snapkv_at_full_rank_is_snapkv_under_each_rope_type(kind, tmp_path)
     _, cache, pre, steps = _run(base, {"name": "palu_snapkv", "checkpoint": str(tmp_path / "c"), **EVICT}, ids)
     assert (pre - snap_pre).abs().max().item() < 1e-8 and (steps - snap_steps).abs().max().item() < 1e-8
     assert all(layer.keys.shape[-2] == T // 2 + NEW for layer in cache.layers)
+
+
+def test_palu_tova_at_full_rank_is_tova_and_evicts_every_step(one_layer, palu_checkpoints):
+    """The eviction contract (`cache/eviction.py`): TOVA's scorer over Palu's latent storage. At full
+    rank with one KV head (its set per head is the composition's set per layer) it decodes exactly
+    as TOVA alone, through a prefill over the budget and decode steps that each evict one token;
+    the cache holds `budget` tokens' latents, at their own positions."""
+    base, ids, _ = one_layer
+    budget = 10
+    _, tova_cache, tova_pre, tova_steps = _run(base, {"name": "tova", "budget": budget}, ids)
+    method, cache, pre, steps = _run(base, {"name": "palu_tova", "checkpoint": palu_checkpoints[1.0],
+                                            "budget": budget}, ids)
+    assert (pre - tova_pre).abs().max().item() < 1e-8 and (steps - tova_steps).abs().max().item() < 1e-8
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == T + NEW and layer.keys.shape[-2] == budget
+    assert layer.positions[0].tolist() == tova_cache.layers[0].positions[0, 0].tolist()
+    assert method.tag.endswith("-tova-n10")
+    with torch.no_grad():   # and it really evicts: full attention over every token differs
+        full = base(ids, use_cache=False).logits[:, T:]
+    assert (steps - full).abs().max().item() > 1e-3
+
+
+def test_a_stateful_scorer_cannot_share_one_set_per_layer():
+    """H2O's accumulated attention is per KV head's tokens: a storage whose heads share one kept
+    set (Palu's latents) refuses it by name rather than averaging state it cannot follow."""
+    from palu.methods.h2o import H2OPolicy
+    policy = H2OPolicy(budget=4, window=1)
+    q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(TypeError, match="H2OPolicy keeps state per KV head"):
+        policy.keep_shared(0, [(q, k)], 0.5)
+
+
+def test_bad_palu_tova_settings_are_refused(palu_checkpoints):
+    with pytest.raises(MethodError, match="method.budget=0"):
+        build_method({"name": "palu_tova", "checkpoint": palu_checkpoints[0.5], "budget": 0})

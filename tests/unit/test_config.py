@@ -45,7 +45,7 @@ def test_every_option_of_every_group_composes_and_validates(group, kvquant_state
     options = _options(group)
     assert options
     needs = {"palu": ["method.checkpoint=ckpt"], "palu_select": ["method.checkpoint=ckpt"],
-             "palu_snapkv": ["method.checkpoint=ckpt"],
+             "palu_snapkv": ["method.checkpoint=ckpt"], "palu_tova": ["method.checkpoint=ckpt"],
              "kvquant": [f"method.state={kvquant_state}"]}
     for option in options:
         # a method that needs a checkpoint / fitted state gets one; every other group composes as it is

@@ -359,7 +359,7 @@ def test_h2o_keeps_the_window_and_the_most_attended_older_tokens():
     received = logits.softmax(-1).sum(2).sum(1)[0]                  # (12,)
     heavy = sorted(received[:10].topk(4).indices.tolist())
     assert kept[0, 0].tolist() == heavy + [10, 11]
-    assert torch.allclose(policy.scores[0][0, 0], received[kept[0, 0]].float())
+    assert torch.allclose(policy.accumulated[0][0, 0], received[kept[0, 0]].float())
     assert policy.nbytes() == 6 * 4
 
 

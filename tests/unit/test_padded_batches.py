@@ -9,7 +9,7 @@ batch by name. Parametrised over `method_names()`: a new method must be added to
 | fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to each prompt alone (per-token storage) |
 | snapkv, pyramidkv, streaming_llm, tova, h2o, quest | equal to each prompt alone (each row's policy decides over its own tokens, ragged kept sets led by masked fillers; bytes from the row's own view) |
 | kivi, kvquant, kivi_snapkv | equal to each prompt alone (the rows are apart: one row layer each, its groups, window and sink counted from its first token; kivi_snapkv: each row layer evicts among its own tokens) |
-| palu_snapkv (16 / 4-bit) | equal to each prompt alone (each row votes over its own tokens with its own queries; ragged kept sets led by masked filler slots, the latent cache's own mask) |
+| palu_snapkv, palu_tova (16 / 4-bit) | equal to each prompt alone (each row scores its own tokens with its own queries, after the prefill or every step; ragged kept sets led by masked filler slots, the latent cache's own mask) |
 | palu_select | equal to each prompt alone (a row chooses among its own tokens; the chosen are read through its mask) |
 """
 import copy
@@ -40,6 +40,7 @@ CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture
     "quest": {"quest": {"page": 2, "budget": 4}},
     "palu_select": {"palu_select": {"checkpoint": "CKPT", "tokens": 4, "window": 2}},
     "palu_snapkv": {f"palu_snapkv-b{b}": {"checkpoint": "CKPT", "bits": b, **EVICT} for b in (16, 4)},
+    "palu_tova": {f"palu_tova-b{b}": {"checkpoint": "CKPT", "bits": b, "budget": 5} for b in (16, 4)},
 }
 VARIANTS = [(name, variant) for name in method_names() for variant in CONFIGS.get(name, {None: None})]
 TABLE: dict[str, str] = {}
@@ -200,3 +201,4 @@ def test_methods_that_refuse_padding_batch_prompts_of_one_length(base, paths, na
     prompts = [PROMPTS[1], PROMPTS[1][::-1], PROMPTS[0], [7, 7, 8, 9, 10, 11, 12], PROMPTS[2]]
     batched = answer_batches(model, Tok(), method, prompts, 8, batch_size=4)
     assert batched == answer_batches(model, Tok(), method, prompts, 8, batch_size=1), variant
+

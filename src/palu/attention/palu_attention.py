@@ -17,7 +17,6 @@ from transformers.cache_utils import DynamicLayer
 
 from ..cache.protocol import LatentStore, TensorLatents, left_pads
 from ..models.adapters import FamilyAdapter, Geometry, apply_qk_norm
-from .observation import window_votes
 from .rope import apply_rope
 
 
@@ -76,7 +75,8 @@ class PaluAttention(nn.Module):
         self.rebuilds_keys = geom.rope or not fuse or self.k_norm is not None
         self._rotary = (rotary,)  # a tuple: shared with the model, not a submodule of ours
         self.selection = None
-        self.eviction = None      # a SnapKVPolicy: after the prefill, keep what it votes for (palu_snapkv.py)
+        self.eviction = None      # a stateless scorer (cache/eviction.py): what the layer keeps (palu_evict.py)
+        self.eviction_owner = "Palu + eviction"   # the method's name, for errors
         dtype, device = q.weight.dtype, q.weight.device
         self.ranks_k, self.ranks_v = factors.ranks_k, factors.ranks_v
         cast = dict(dtype=dtype, device=device)
@@ -167,12 +167,9 @@ class PaluAttention(nn.Module):
                              "verifies drafted tokens so; a prompt prefilled in chunks) would attend to "
                              "every cached token. Prefill the prompt in one forward and decode one "
                              "token a step (no assistant_model / prompt_lookup_num_tokens)")
-        evicting = self._evicts_after(T, past_key_values)   # before this step stores its tokens
-        pads = None   # a left-padded batch's prefill eviction: each row votes over its own tokens
-        if evicting and (found := left_pads(attention_mask, B, T, "Palu + SnapKV")) is not None:
-            pads = found.tolist()
+        evicting = self._evicts_after(B, T, past_key_values, attention_mask)   # before this step stores
         out, hk_all, hv_all, kpos, mask = self._cache_step(x, q, hk, hv, past_key_values, position_ids,
-                                                           attention_mask)
+                                                           attention_mask, kernels=not evicting)
         if out is not None:   # the kernels served this step
             return out, None
         S = kpos.shape[-1]
@@ -186,7 +183,7 @@ class PaluAttention(nn.Module):
         visible = None
         if select is not None and mask is not None:
             visible = mask[:, 0, -1] if mask.dtype == torch.bool else mask[:, 0, -1] > -1   # (B, S)
-        votes = [] if evicting else None
+        scored = [] if evicting else None   # (queries, keys) of each group, for the eviction's scorer
         outs, heads = [], []
         v_off = 0
         for g in range(self.n_groups):
@@ -223,11 +220,8 @@ class PaluAttention(nn.Module):
                 vg = hv_g.unsqueeze(1).expand(B, kg.shape[1], hv_g.shape[1], hv_g.shape[-1])
             else:
                 vg = self._rebuild(hv_g, getattr(self, f"B_v{g}"), self.v_bias, g)
-            if votes is not None:
-                w, scale = self.eviction.window, self._sdpa_scale()
-                votes.append(window_votes(qg, kg, w, scale) if pads is None else
-                             [window_votes(qg[b:b + 1, :, p:], kg[b:b + 1, :, p:], w, scale)
-                              for b, p in enumerate(pads)])
+            if scored is not None:
+                scored.append((qg, kg))
             gmask = mask
             if idx is not None:   # the chosen tokens' columns of the mask (pads stay hidden)
                 gmask = None if visible is None else visible.gather(1, idx)[:, None, None, :]
@@ -236,52 +230,67 @@ class PaluAttention(nn.Module):
                 outs.append(z.transpose(1, 2).reshape(B, T, -1) @ self._wo(g).T)
             else:
                 heads.append(z)
-        if votes is not None:   # one set per layer: its groups' latents share one token axis
-            layer = past_key_values.layers[self.layer_idx]
-            if pads is not None:
-                self._evict_rows(layer, votes, pads, S)
-            elif (keep := self.eviction.choose(self.layer_idx, torch.cat(votes, 1).mean(1, keepdim=True), S)) is not None:
-                layer.evict(keep[:, 0], S)
+        if scored is not None:
+            self._evict(past_key_values.layers[self.layer_idx], scored, S, T)
         if self.fuse:
             return torch.stack(outs).sum(0) + self.o_bias_fused, None
         attn = torch.cat(heads, 1).transpose(1, 2).reshape(B, T, -1)                 # (B, T, nh*hd)
         return self.o_proj(attn), None
 
-    def _evict_rows(self, layer, votes, pads: list[int], S: int) -> None:
-        """A left-padded batch's prefill eviction: row b chooses among its own S - pads[b] tokens
-        from its own queries' votes (`votes`: per group, per row), as that prompt alone would;
-        rows that keep fewer tokens than the longest are led by masked filler slots."""
-        keeps = []
-        for b, p in enumerate(pads):
-            row = torch.cat([group[b] for group in votes], 1).mean(1, keepdim=True)   # (1, 1, S - p - w)
-            got = self.eviction.choose(self.layer_idx, row, S - p)
-            keeps.append(torch.arange(p, S, device=row.device) if got is None else got[0, 0] + p)
-        n = max(len(k) for k in keeps)
-        keep = torch.stack([torch.cat([k.new_zeros(n - len(k)), k]) for k in keeps])
-        layer.evict(keep, S, lead=[n - len(k) for k in keeps])
+    def _evict(self, layer, scored, S: int, T: int) -> None:
+        """After a step, hold what the eviction's scorer keeps (`cache/eviction.py`): one set per
+        layer, its groups' latents sharing one token axis (every KV head's scores averaged). A
+        left-padded batch (`layer.starts`: each row's first slot of its own tokens): each row
+        scores and keeps among its own tokens with its own queries, as that prompt alone would;
+        rows that keep fewer than the longest are led by masked filler slots (`layer.lead`)."""
+        if self.rebuilds_keys:   # all heads at once: queries and keys in KV-head order
+            scored = [(torch.cat([q for q, _ in scored], 1), torch.cat([k for _, k in scored], 1))]
+        scale, scorer, starts = self._sdpa_scale(), self.eviction, layer.starts
+        if starts is None:
+            keep = scorer.keep_shared(self.layer_idx, scored, scale)
+            if keep is not None:
+                layer.evict(keep[:, 0], layer.get_seq_length())
+            return
+        keeps, changed = [], False
+        for b, st in enumerate(starts):
+            own = [(q[b:b + 1, :, max(0, T - (S - st)):], k[b:b + 1, :, st:]) for q, k in scored]
+            got = scorer.keep_shared(self.layer_idx, own, scale)
+            changed |= got is not None
+            keeps.append(torch.arange(st, S, device=own[0][1].device) if got is None else got[0, 0] + st)
+        if changed:
+            n = max(len(k) for k in keeps)
+            keep = torch.stack([torch.cat([k.new_zeros(n - len(k)), k]) for k in keeps])
+            layer.evict(keep, layer.get_seq_length(), lead=[n - len(k) for k in keeps])
 
-    def _evicts_after(self, T: int, cache) -> bool:
-        """Whether this step is a prefill after which the eviction policy chooses what stays."""
-        if self.eviction is None or T == 1:
+    def _evicts_after(self, B: int, T: int, cache, attention_mask) -> bool:
+        """Whether this step ends with the eviction's scorer choosing what stays (after the
+        prefill; every step for a scorer that evicts while decoding). At the prefill a left-padded
+        batch's row starts are recorded (`layer.starts`), host-side, for every later eviction."""
+        if self.eviction is None:
             return False
         if not isinstance(cache, LatentStore) or not hasattr(cache, "layers"):
-            raise ValueError("Palu + SnapKV evicts from a LatentCache (method.make_cache(model)); "
+            raise ValueError(f"{self.eviction_owner} evicts from a LatentCache (method.make_cache(model)); "
                              f"got {type(cache).__name__}")
-        if cache.get_seq_length(self.layer_idx) != 0:
+        layer = cache.layers[self.layer_idx]
+        held = layer.held_tokens()
+        if held == 0:
+            found = left_pads(attention_mask, B, T, self.eviction_owner)
+            layer.starts = None if found is None else found.tolist()
+        elif not self.eviction.keeps_after_prefill:
             return False
-        # a prompt within the observation window or the budget keeps everything, as SnapKV alone
-        return max(self.eviction.window, self.eviction.budget(self.layer_idx, T)) < T
+        # the fullest row holds every slot; a prompt within the budget keeps everything, as alone
+        return self.eviction.evicts(self.layer_idx, held + T)
 
     def _kernels_may_run(self) -> bool:
         return self.fuse and self.backend != "torch" and self.selection is None
 
-    def _cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask):
+    def _cache_step(self, x, q, hk, hv, cache, position_ids, attention_mask, kernels: bool = True):
         """Store this step's latents in `cache` (a latent store, another Cache, or None) and, for
         a one-token step the kernels can serve, attend through them. Returns (output or None,
         and for the torch path: all latents, their positions, the mask)."""
         T = x.shape[1]
         stored = self._store(hk, hv, cache, position_ids, T, x.device)
-        if T == 1 and self._kernels_may_run() and stored.cached and stored.kernel_layout:
+        if T == 1 and kernels and self._kernels_may_run() and stored.cached and stored.kernel_layout:
             from .kernel_backend import can_use_kernel, kernel_decode
             if can_use_kernel(self, x, stored.kernel_mask(attention_mask, T), stored.bits) is None:
                 keys, values = stored.kernel_latents(self.n_groups)

@@ -78,9 +78,12 @@ class LatentLayer(DynamicLayer):
         # serves the others (`update_latent`'s memo). 0: no positions yet.
         self._history = 0
         self._room: dict[str, torch.Tensor] = {}      # the buffers the per-token tensors view
-        # After a left-padded batch's prefill eviction (palu_snapkv), each row's kept tokens are
-        # led by `lead[b]` masked filler slots (rows keep different numbers): (B,) on the device.
-        # The model's padding mask no longer lines up with the slots held, so `mask` is built here.
+        # A left-padded batch of an evicting method (palu_evict.py): `starts` each row's first
+        # slot of its own tokens, on the host (its left pad, then its fillers). After an eviction
+        # each row's kept tokens are led by `lead[b]` masked filler slots (rows keep different
+        # numbers): (B,) on the device; the model's padding mask no longer lines up with the
+        # slots held, so `mask` is built here.
+        self.starts: list[int] | None = None
         self.lead: torch.Tensor | None = None
 
     def _extend(self, name: str, view: torch.Tensor | None, shape, dim: int, dtype, device) -> torch.Tensor:
@@ -189,6 +192,10 @@ class LatentLayer(DynamicLayer):
         # masks span the tokens held (an evicted token has no column)
         return super().get_seq_length() + query_length, 0
 
+    def held_tokens(self) -> int:
+        """Token slots held (fillers included), not tokens seen."""
+        return super().get_seq_length()
+
     def evict(self, keep: torch.Tensor, seen: int, lead: list[int] | None = None) -> None:
         """Hold only the tokens at indices `keep` (B, n) of those stored (one set per sequence,
         for every group: the groups' latents share one token axis), with their positions, so
@@ -209,6 +216,7 @@ class LatentLayer(DynamicLayer):
         self.contiguous = lead is None and bool((self.positions == self.positions[:, :1]
                                                  + torch.arange(keep.shape[1], device=keep.device)).all())
         self.lead = None if lead is None else torch.tensor(lead, device=keep.device)
+        self.starts = lead
         self._history = next(_FRESH)
         self.evicted += held - keep.shape[1]
 
@@ -243,12 +251,15 @@ class LatentLayer(DynamicLayer):
             out.append(QuantLatent(as_groups(data, groups), scale, zero, self.bits, ranks[0]))
         return out[0], out[1]
 
-    def _map_extras(self, fn) -> None:
-        """Apply `fn` to the per-token tensors kept beside keys/values (batch first, then T)."""
+    def _map_extras(self, fn, rows: bool = True) -> None:
+        """Apply `fn` to the per-token tensors kept beside keys/values (batch first, then T);
+        `rows`: `fn` edits the batch axis (beam search, batch edits), not only the tokens."""
         self._history = next(_FRESH)   # positions changed outside update_latent
         for name in ("positions", "key_sz", "value_sz", "lead"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
+        if rows and self.starts is not None:   # beam search and batch edits move a row's start with it
+            self.starts = [self.starts[i] for i in fn(torch.arange(len(self.starts))).tolist()]
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.evicted:
@@ -256,7 +267,7 @@ class LatentLayer(DynamicLayer):
                             "prompt-lookup decoding): decode without an assistant")
         super().crop(tokens_to_remove)
         if self.keys is not None:
-            self._map_extras(lambda t: t[:, : self.keys.shape[-2]])
+            self._map_extras(lambda t: t[:, : self.keys.shape[-2]], rows=False)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)

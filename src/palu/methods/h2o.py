@@ -10,19 +10,26 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.subset_cache import SubsetPolicy
+from ..cache.eviction import ScoredEviction
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
 
 
-class H2OPolicy(SubsetPolicy):
-    """Per cache: the accumulated attention of every kept token, per layer (B, H, S)."""
+class H2OPolicy(ScoredEviction):
+    """H2O's scorer: per cache, the accumulated attention of every kept token, per layer (B, H, S)
+    (`cache/eviction.py` does the budget, the recent window and the top-k)."""
+    accumulates = True
 
     def __init__(self, budget: int, window: int):
-        self.budget, self.window = budget, window
-        self.scores: dict[int, torch.Tensor] = {}
+        self.budget_tokens, self.window = budget, window
+        self.protected = window
+        self.accumulated: dict[int, torch.Tensor] = {}
+        self._total: dict[int, torch.Tensor] = {}   # this step's totals, until `kept` says what stays
 
-    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+    def budget(self, layer, tokens):
+        return self.budget_tokens
+
+    def scores(self, layer, queries, keys, scale=None):
         B, H, S, d = keys.shape
         T, n_rep = queries.shape[2], queries.shape[1] // H
         k = keys.repeat_interleave(n_rep, 1)
@@ -30,23 +37,21 @@ class H2OPolicy(SubsetPolicy):
         q_pos = torch.arange(S - T, S, device=keys.device)
         logits = logits.masked_fill(torch.arange(S, device=keys.device)[None] > q_pos[:, None], float("-inf"))
         received = logits.softmax(-1).sum(2).view(B, H, n_rep, S).sum(2).float()     # (B, H, S)
-        old = self.scores.get(layer)
+        old = self.accumulated.get(layer)
         total = received if old is None else received + torch.nn.functional.pad(old, (0, T))
-        if S <= self.budget:
-            self.scores[layer] = total
-            return None
-        older = S - self.window
-        heavy = total[..., :older].topk(self.budget - self.window, dim=-1).indices.sort(-1).values
-        keep = torch.cat([heavy, torch.arange(older, S, device=keys.device).expand(B, H, -1)], -1)
-        self.scores[layer] = total.gather(-1, keep)
-        return keep
+        self._total[layer] = total
+        return total[..., :S - self.window]
+
+    def kept(self, layer, keep):
+        total = self._total.pop(layer)
+        self.accumulated[layer] = total if keep is None else total.gather(-1, keep)
 
     def map_rows(self, layer, fn):
-        if layer in self.scores:
-            self.scores[layer] = fn(self.scores[layer])
+        if layer in self.accumulated:
+            self.accumulated[layer] = fn(self.accumulated[layer])
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scores.values())
+        return sum(t.numel() * t.element_size() for t in self.accumulated.values())
 
 
 @dataclass

@@ -97,7 +97,7 @@ class Palu(CacheMethod):
     def make_cache(self, model):
         widths = self.layer_bits()
         return LatentCache(model, bits=widths, channel_group=self.channel_group,
-                           evicts=getattr(self, "eviction", None) is not None)
+                           evicts=hasattr(self, "eviction"))
 
     def cache_nbytes(self, cache) -> dict:
         n = cache.nbytes()

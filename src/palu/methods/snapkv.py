@@ -13,41 +13,30 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.observation import window_votes
-from ..cache.subset_cache import SubsetPolicy
+from ..cache.eviction import ScoredEviction
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
 
 
-class SnapKVPolicy(SubsetPolicy):
+class SnapKVPolicy(ScoredEviction):
+    """SnapKV's scorer (`cache/eviction.py` does the budget, the window and the top-k)."""
     keeps_after_prefill = False   # chosen once, after the prefill
 
     def __init__(self, ratio: float, window: int, kernel: int):
         self.ratio, self.window, self.kernel = ratio, window, kernel
+        self.protected = window   # the observation window stays
 
     def budget(self, layer: int, prompt: int) -> int:
         """Prompt tokens layer `layer` keeps (the same in every layer; PyramidKV overrides)."""
         return prompt - int(round(prompt * self.ratio))
 
-    def choose(self, layer: int, votes: torch.Tensor, S: int) -> torch.Tensor | None:
-        """Indices (B, X, kept) from votes (B, X, S - window) — X: KV heads, or 1 for a set shared
-        by the whole layer — pooled over `kernel` neighbours, plus the window; None keeps all."""
-        n_keep = max(self.window, self.budget(layer, S))
-        if n_keep >= S:
-            return None
-        w = self.window
-        votes = F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
-        top = votes.topk(n_keep - w, dim=-1).indices.sort(-1).values
-        recent = torch.arange(S - w, S, device=votes.device).expand(*votes.shape[:2], w)
-        return torch.cat([top, recent], -1)
-
-    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
-        if not prefill:
-            return None
-        B, H, S, d = keys.shape
-        if max(self.window, self.budget(layer, S)) >= S:
-            return None
+    def scores(self, layer, queries, keys, scale=None):
+        """The window's attention to each older token, averaged over a KV head's query heads and
+        pooled over `kernel` neighbours: (B, H, S - window)."""
+        B, H, S, _ = keys.shape
         votes = window_votes(queries, keys, self.window, scale)                 # (B, nh, S - w)
-        return self.choose(layer, votes.view(B, H, -1, S - self.window).mean(2), S)
+        votes = votes.view(B, H, -1, S - self.window).mean(2)
+        return F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
 
 
 def check_snapkv(ratio, window, kernel, names=("compression_ratio", "window", "kernel")) -> None:

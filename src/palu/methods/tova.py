@@ -9,41 +9,44 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.subset_cache import SubsetPolicy
+from ..cache.eviction import ScoredEviction
 from .base import check_int
 from .token_subset import TokenSubset
 
 
-class TovaPolicy(SubsetPolicy):
-    def __init__(self, budget: int):
-        self.budget = budget
+class TovaPolicy(ScoredEviction):
+    """TOVA's scorer (`cache/eviction.py` does the budget and the top-k)."""
 
-    def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
+    def __init__(self, budget: int):
+        self.budget_tokens = budget
+
+    def budget(self, layer, tokens):
+        return self.budget_tokens
+
+    def scores(self, layer, queries, keys, scale=None):
+        """The step's last query's attention to each token, averaged over the KV head's query heads."""
         B, H, S, d = keys.shape
-        if S <= self.budget:
-            return None
         n_rep = queries.shape[1] // H
         last = queries[:, :, -1:]                                            # (B, nh, 1, d)
         k = keys.repeat_interleave(n_rep, 1)
         weights = ((last @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)).softmax(-1)
-        votes = weights[:, :, 0].view(B, H, n_rep, S).mean(2)                # (B, H, S)
-        return votes.topk(self.budget, dim=-1).indices.sort(-1).values
+        return weights[:, :, 0].view(B, H, n_rep, S).mean(2)                 # (B, H, S)
 
     def padded_width(self, slots, seen):
         # a row keeps min(its tokens, budget); the fullest row holds `slots` tokens
-        return min(slots, self.budget)
+        return min(slots, self.budget_tokens)
 
     def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
         real = positions >= 0                                                # (B, H, S)
         B, H, S, d = keys.shape
-        if S <= self.budget:
+        if S <= self.budget_tokens:
             return real
         n_rep = queries.shape[1] // H
         k = keys.repeat_interleave(n_rep, 1)
         logits = (queries[:, :, -1:] @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)
         logits = logits.masked_fill(~real.repeat_interleave(n_rep, 1)[:, :, None], float("-inf"))
         votes = logits.softmax(-1)[:, :, 0].view(B, H, n_rep, S).mean(2)     # a row's own softmax
-        top = votes.masked_fill(~real, -1.0).topk(self.budget, dim=-1).indices
+        top = votes.masked_fill(~real, -1.0).topk(self.budget_tokens, dim=-1).indices
         # a row with no more tokens than the budget keeps them all (its top-k takes fillers too)
         return torch.zeros_like(real).scatter_(-1, top, True) & real
 
