@@ -202,3 +202,23 @@ def test_methods_that_refuse_padding_batch_prompts_of_one_length(base, paths, na
     batched = answer_batches(model, Tok(), method, prompts, 8, batch_size=4)
     assert batched == answer_batches(model, Tok(), method, prompts, 8, batch_size=1), variant
 
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, v in VARIANTS if v is not None])
+def test_a_row_leaves_the_batch_at_its_stop_token_and_answers_as_generate(base, paths, name, variant,
+                                                                          monkeypatch):
+    """Issue 49: a row that emits a stop token leaves the batch, its cache rows with it, so finished
+    rows stop costing work; every row's answer and bytes equal those of transformers' `generate`
+    through the same cache (where finished rows decode pads until the batch ends)."""
+    from palu.eval import generation
+    method, model = _installed(base, paths, name, variant)
+    tokens, _ = _generate(model, method, PROMPTS)
+    model.generation_config.eos_token_id = int(tokens[0, 2])   # row 0 stops by its third token
+    sizes = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda mod, args, kw: sizes.append(args[0].shape[0])
+                                                           if args else sizes.append(kw["hidden_states"].shape[0]),
+                                                           with_kwargs=True)
+    ours = answer_batches(model, Tok(), method, PROMPTS, 8, batch_size=3)
+    hook.remove()
+    assert sizes[0] == 3 and min(sizes) < 3, sizes            # row 0 left the batch
+    monkeypatch.setattr(generation, "plain_greedy", lambda model: False)
+    assert ours == answer_batches(model, Tok(), method, PROMPTS, 8, batch_size=3), variant

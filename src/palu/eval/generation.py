@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .journal import current as current_journal
 
@@ -122,7 +122,7 @@ def eos_ids(model) -> set[int]:
 @torch.no_grad()
 def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens: int):
     """One left-padded batch through one cache: each row's answer (cut at its first EOS) and
-    the bytes its tokens hold in the cache."""
+    the bytes its tokens hold in the cache when it ends."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
@@ -130,9 +130,108 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     mask = None   # unpadded (batch 1 included): no mask, the path one prompt always took
     if any(len(p) != width for p in prompts):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    stop = eos_ids(model)
+    if not plain_greedy(model):
+        return _generate_with_transformers(model, tokenizer, method, prompts, max_new_tokens, ids, mask, pad, stop)
+    cache = DynamicCache() if method is None else method.make_cache(model)
+    rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
+                                       None if method is None else _RowBytesNow(method, cache, prompts))
+    return [(tokenizer.decode(new, skip_special_tokens=True), n) for new, n in rows]
+
+
+# generation-config settings that change greedy decoding's choice (transformers applies them in
+# `generate` even without sampling); with none set, greedy decoding is the argmax
+_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+               "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+               "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+               "sequence_bias": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None}
+
+
+def plain_greedy(model) -> bool:
+    """Whether the model's generation config leaves greedy decoding the plain argmax."""
+    cfg = model.generation_config
+    return all(getattr(cfg, key, default) in (default, None) for key, default in _PROCESSORS.items())
+
+
+def _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens: int, stop: set,
+                                bytes_now=None) -> list[tuple[list[int], dict | None]]:
+    """Greedy decoding of a left-padded batch through `cache`, as transformers' `generate` places
+    it (positions count a row's own tokens, pads at 1; the prefill keeps only the last logits),
+    except that a row leaves the batch, its cache rows with it (`Cache.batch_select_indices`), at
+    its first stop token: finished rows stop costing work. Every cache that serves a padded batch
+    exactly keeps each row's state apart, so the rows left are unchanged (the tests compare with
+    `generate`). Each row's new tokens (its stop token last) and `bytes_now(row, tokens, rows)`
+    taken as it ends; one host sync a step (the tokens)."""
+    B, width = ids.shape
+    if mask is None:
+        pos = torch.arange(width, device=ids.device).expand(B, -1)
+    else:
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    alive = list(range(B))             # batch row -> prompt
+    new: list[list[int]] = [[] for _ in range(B)]
+    held: list = [None] * B
+    x, cache_position = ids, torch.arange(width, device=ids.device)
+    for step in range(max_new_tokens):
+        logits = model(input_ids=x, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       cache_position=cache_position, use_cache=True, logits_to_keep=1).logits[:, -1]
+        nxt = logits.argmax(-1)
+        ended = []
+        for r, t in enumerate(nxt.tolist()):
+            new[alive[r]].append(t)
+            if t in stop:
+                ended.append(r)
+        last = step == max_new_tokens - 1
+        if bytes_now is not None:   # the cache holds the prompt and every new token but the last
+            for r in (range(len(alive)) if last else ended):
+                held[alive[r]] = bytes_now(r, alive[r], width + step, len(alive))
+        if last or len(ended) == len(alive):
+            break
+        if ended:
+            gone = set(ended)
+            keep = [r for r in range(len(alive)) if r not in gone]
+            index = torch.tensor(keep, device=ids.device)
+            cache.batch_select_indices(index)
+            nxt, pos = nxt[index], pos[index]
+            mask = None if mask is None else mask[index]
+            alive = [alive[r] for r in keep]
+        x, pos = nxt[:, None], pos[:, -1:] + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], 1)
+        cache_position = cache_position[-1:] + 1
+    return list(zip(new, held))
+
+
+class _RowBytesNow:
+    """A row's bytes as it ends: from the cache's view of the row alone (`cache.row(r)`) where the
+    rows hold different numbers of tokens (eviction) or their codes count tokens; otherwise its
+    share of the batch's per-token bytes (every byte but `fixed` belongs to one token of one row)."""
+
+    def __init__(self, method, cache, prompts):
+        self.method, self.cache, self.prompts = method, cache, prompts
+        by_row = getattr(cache, "row_bytes_by_snapshot", None)
+        self.by_row = hasattr(cache, "row") and (by_row is None or by_row())
+
+    def __call__(self, r: int, prompt: int, slots: int, rows: int) -> dict:
+        tokens = len(self.prompts[prompt]) + slots - max(map(len, self.prompts))
+        apart = getattr(self.cache, "holds_rows_apart", None)
+        if self.by_row and (apart is None or apart()):
+            n = self.method.cache_nbytes(self.cache.row(r))
+            return {"stored": int(round(n["total"])), "read_per_step": int(round(n.get("read_per_step", n["total"]))),
+                    "tokens": int(tokens)}
+        n = self.method.cache_nbytes(self.cache)
+        if self.by_row:   # an unpadded batch of codes that count tokens: every row holds alike
+            fixed = n.get("fixed", 0)
+            stored, read = n["total"], n.get("read_per_step", n["total"])
+            return {"stored": int(round(fixed + (stored - fixed) / rows)),
+                    "read_per_step": int(round(fixed + (read - fixed) / rows)), "tokens": int(tokens)}
+        return _row_bytes(n, tokens, rows, slots, self.method)
+
+
+def _generate_with_transformers(model, tokenizer, method, prompts, max_new_tokens, ids, mask, pad, stop):
+    """`generate` itself, for a model whose generation config changes greedy decoding
+    (`plain_greedy`): finished rows decode pads until the batch ends."""
     cache = None if method is None else method.make_cache(model)
     kwargs = {} if cache is None else {"past_key_values": cache}
-    stop = eos_ids(model)
     snapshots = None
     # a cache whose rows hold different numbers of tokens (eviction), or one whose bytes are not a
     # per-token share (quantised codes that count tokens): each row's bytes when that row ends
@@ -140,6 +239,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     if cache is not None and len(prompts) > 1 and (by_row or not batchable(method)):
         snapshots = _RowBytes(method, cache, stop, len(prompts))
         kwargs["stopping_criteria"] = StoppingCriteriaList([snapshots])
+    width = ids.shape[1]
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, **kwargs)
     new = out[:, width:].tolist()
