@@ -120,6 +120,15 @@ class _Stream:
         dq_index = torch.arange(s, s + dq.shape[2])   # encoded: tokens [sink, q1)
         return fp, fp_index, dq, dq_index
 
+    def in_order(self, fp: torch.Tensor, dq: torch.Tensor, n0: int, n1: int) -> torch.Tensor:
+        """After a one-token step (`step`'s fp and dq): every token [0, n1) in token order, each in
+        the form a query at n0 sees it — the sink and the tail in the model's dtype, the tokens
+        [sink, quantised) dequantised (a token coded this step is seen coded: its quantised_at is
+        this step)."""
+        h1, q1 = min(self.schedule.sink, n1), self.quantised(n1)
+        start = max(self.quantised(n0), h1)
+        return torch.cat([fp[:, :, :h1], dq, fp[:, :, h1 + q1 - start:]], 2)
+
     def map(self, fn) -> None:
         for name in ("head", "tail"):
             if getattr(self, name) is not None:
@@ -137,11 +146,12 @@ class _Stream:
 @dataclass
 class QuantKVView:
     """What one step's queries attend to: keys and values (B, H, S', d), the token index of each
-    column (S',) and the boolean mask (B or 1, 1, T, S') of which query sees which column."""
+    column (S',; None: every token in order, a one-token step) and the boolean mask (B or 1, 1, T,
+    S'; None: every column) of which query sees which column."""
     keys: torch.Tensor
     values: torch.Tensor
-    index: torch.Tensor
-    mask: torch.Tensor
+    index: torch.Tensor | None
+    mask: torch.Tensor | None
     key_positions: torch.Tensor | None   # (B, S') positions of the keys (pre-RoPE caches)
 
 
@@ -234,6 +244,13 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if self.keep_positions:
             pos = positions.to(torch.int32).expand(B, -1)
             self.positions = pos if self.positions is None else torch.cat([self.positions, pos], 1)
+        if T == 1:   # one query (decoding): every token once, in order, in the form it sees it
+            mask = None
+            if attention_mask is not None:                            # padding, sliding windows
+                base = attention_mask[..., -1:, :n1]
+                mask = base if base.dtype == torch.bool else base == 0
+            return QuantKVView(self.k.in_order(kf, kq, n0, n1), self.v.in_order(vf, vq, n0, n1),
+                               None, mask, self.positions)
         # Which form of each token each query sees is a function of integers the host holds (the
         # schedule, n0, T): computed there, so no `nonzero` waits for the device. A padded batch's
         # per-row path calls this for every row of every layer each step (~500 waits a step at a
@@ -362,7 +379,7 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                 continue
             s = v.keys.shape[2]
             ks[b, :, :s], vs[b, :, :s] = v.keys[0], v.values[0]
-            mask[b, 0, T - real[b]:, :s] = v.mask[0, 0]
+            mask[b, 0, T - real[b]:, :s] = True if v.mask is None else v.mask[0, 0]
             if kpos is not None:
                 kpos[b, :s] = v.key_positions[0]
         return QuantKVView(ks, vs, torch.arange(S, device=keys.device), mask, kpos)
