@@ -9,15 +9,20 @@ waits for the process's next slice. Counted on the CPU (the same calls run on th
 left-padded batch of 4 prompts of 229-256 tokens, as (calls with 17 new tokens - calls with 1) / 16
 = per decode step of the batch, all layers. KIVI's and Quest's per-row paths scale with the batch.
 
-Measured 2026-12-04 (results/checks/decode-syncs.json, after this session's fixes): FP16 2,315
-calls and 2 syncs a step (generate's own stopping checks); Palu 5,966 / 2 (4-bit 11,234 / 2);
-SnapKV / PyramidKV 2,677 / 3; StreamingLLM / TOVA ~3,900 / 63 (`slots_of`: two per layer); Quest
-8,887 / 3; KIVI 41,220 / 3. Before: KIVI 38,713 / 483 (4 `nonzero` for each row of each layer,
-`quant_cache.QuantKVLayer.step`), Quest 10,147 / 483 (per row and layer a `nonzero`, a boolean-mask
-index, a pad read and a check, `subset_attention._by_row`). On the H200 at 13 jobs sharing, KIVI's
-and Quest's RULER-style jobs had answered 16 prompts in 8 min against ~300 for Palu's; SnapKV's
-answered 48 while hardly syncing, so its 8K prefill (attention scores over the whole prompt) is the
-other cost. On a CPU run every tensor is on the host, so `Count` tracks which side each tensor
+Measured 2026-12-04, session 31 (after its fixes): FP16 2,315 calls and 2 syncs a step (generate's
+own stopping checks); Palu 5,966 / 2 (4-bit 11,234 / 2); SnapKV / PyramidKV 2,677 / 3; StreamingLLM /
+TOVA ~3,900 / 63 (`slots_of`: two per layer); Quest 8,887 / 3; KIVI 41,220 / 3. Before it: KIVI
+38,713 / 483 (4 `nonzero` for each row of each layer, `quant_cache.QuantKVLayer.step`), Quest
+10,147 / 483 (per row and layer a `nonzero`, a boolean-mask index, a pad read and a check,
+`subset_attention._by_row`). On the H200 at 13 jobs sharing, KIVI's and Quest's RULER-style jobs
+had answered 16 prompts in 8 min against ~300 for Palu's; SnapKV's answered 48 while hardly
+syncing, so its 8K prefill (attention scores over the whole prompt) is the other cost.
+Session 32 (results/checks/decode-syncs.json): every method 2 syncs a step, FP16's count (one the
+row-dropping loop's read of the new tokens, one transformers' padding-mask check): StreamingLLM /
+TOVA's kept width comes from host counts (`SubsetPolicy.padded_width`); KIVI's one-token steps read
+each token once, in order (`_Stream.in_order`), instead of one column block per (key form, value
+form) pair; the SnapKV compositions and Palu + TOVA serve the padded batch row by row.
+On a CPU run every tensor is on the host, so `Count` tracks which side each tensor
 would be on (its docstring).
 
     python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json
@@ -45,7 +50,10 @@ METHODS = {"fp16": None, "palu-50%": {"name": "palu", "checkpoint": PALU},
            "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 128},
            "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
            "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
-           "tova": {"name": "tova", "budget": 128}, "quest": {"name": "quest", "page": 16, "budget": 64}}
+           "tova": {"name": "tova", "budget": 128}, "quest": {"name": "quest", "page": 16, "budget": 64},
+           "kivi-2 + snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
+           "palu-50% 4-bit + snapkv": {"name": "palu_snapkv", "checkpoint": PALU, "bits": 4, "evict_ratio": 0.5},
+           "palu-50% 4-bit + tova": {"name": "palu_tova", "checkpoint": PALU, "bits": 4, "budget": 128}}
 SYNCS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy", "unique",
          "masked_select"}
 MASKED = {"__getitem__", "index"}   # indexing with a boolean mask: its result's size is data
