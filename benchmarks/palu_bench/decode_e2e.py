@@ -108,7 +108,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
         raise RuntimeError("the decode benchmark needs a CUDA GPU (none visible here)")
     import triton
 
-    from .latency import measure_ceilings
+    from .timing import measure_ceilings
     ceil = measure_ceilings()
     checks = _check_small(cfg, log) if cfg.get("check_shape") else []
     rows = []

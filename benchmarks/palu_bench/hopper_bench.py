@@ -20,8 +20,9 @@ import torch
 import triton
 import yaml
 
-from .latency import (CONF, _bench_rotated, _rel_err, _row, baseline_rows, measure_ceilings, palu_case,
-                      rotation_copies, speedups)
+from .cases import palu_case
+from .latency import CONF, baseline_rows
+from .timing import bench_rotated, measure_ceilings, rel_err, rotation_copies, speedups, timed_row
 
 DEFAULTS = {"shapes": ["llama2-7b", "llama3-8b"], "lengths": [16384, 65536, 131072], "variants": [[16, 4, 0], [16, 4, 1], [32, 4, 0]],   # [frequencies per warp, ring slots, reduction]
             "check_length": 4096}
@@ -74,7 +75,7 @@ def run(cfg: dict, log=print) -> dict:
             if T == cfg["check_length"]:
                 ref = latent_decode_reference(q, hk, hv, **kw)
                 for name, params in [("triton", {}), ("hopper", {"hopper": True})]:
-                    err = _rel_err(lambda p=params: palu_decode(q, hk, hv, **kw, **p), ref)
+                    err = rel_err(lambda p=params: palu_decode(q, hk, hv, **kw, **p), ref)
                     checks.append({"shape": shape_name, "variant": name, "length": T, "rel_err": err})
                     log(f"check {shape_name} {name} T={T}: rel. error {err:.2e}")
                     if not err < 5e-3:
@@ -90,14 +91,14 @@ def run(cfg: dict, log=print) -> dict:
             S = [torch.empty(1, q.shape[1], T, device="cuda") for _ in cases]
             values_counts = {"bytes": hv.numel() * 2 + q.shape[1] * T * 4, "flops": 2 * T * q.shape[1] * 64,
                              "copies": c["copies"]}
-            t = _bench_rotated([lambda a=a, s=s: _values_only(a[0], a[1], a[2], a[3], s) for a, s in zip(cases, S)], w, r)
-            rows.append(_row("values-only", shape_name, 1, T, t, values_counts, ceil))
+            t = bench_rotated([lambda a=a, s=s: _values_only(a[0], a[1], a[2], a[3], s) for a, s in zip(cases, S)], w, r)
+            rows.append(timed_row("values-only", shape_name, 1, T, t, values_counts, ceil))
             variants = [("triton", None)] + [("hopper-" + "-".join(f"{k}{x}" for k, x in zip("wsr", v)), v)
                                              for v in cfg["variants"]]
             for i, (name, v) in enumerate(variants):
                 if v:
-                    t = _bench_rotated([lambda a=a, v=v: _hopper_scores(a[0], a[1], a[3], *v) for a in cases], w, r)
-                    rows.append(_row(f"scores-{name}", shape_name, 1, T, t, scores_counts, ceil, per_warp=v[0],
+                    t = bench_rotated([lambda a=a, v=v: _hopper_scores(a[0], a[1], a[3], *v) for a in cases], w, r)
+                    rows.append(timed_row(f"scores-{name}", shape_name, 1, T, t, scores_counts, ceil, per_warp=v[0],
                                      stages=v[1], reduce=v[2] if len(v) > 2 else 0))
                     log(f"{shape_name} T={T} scores {name}: {t * 1e6:.1f} us "
                         f"({scores_bytes / t / 1e12:.2f} TB/s, {scores_counts['flops'] / t / 1e12:.0f} TFLOP/s)")
@@ -106,8 +107,8 @@ def run(cfg: dict, log=print) -> dict:
                         continue   # the whole step only with the first variant (palu_decode's default)
                 else:
                     step = {}
-                t = _bench_rotated([lambda a=a, p=step: palu_decode(a[0], a[1], a[2], **a[3], **p) for a in cases], w, r)
-                rows.append(_row(f"step-{name}", shape_name, 1, T, t, c, ceil, **speedups(t, base)))
+                t = bench_rotated([lambda a=a, p=step: palu_decode(a[0], a[1], a[2], **a[3], **p) for a in cases], w, r)
+                rows.append(timed_row(f"step-{name}", shape_name, 1, T, t, c, ceil, **speedups(t, base)))
                 log(f"{shape_name} T={T} step {name}: {t * 1e6:.1f} us ({base['sdpa'] / t:.2f}x SDPA "
                     f"{base['sdpa'] * 1e6:.1f} us, {base.get('eager', float('nan')) / t:.2f}x eager)")
             del cases, S

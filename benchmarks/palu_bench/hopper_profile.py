@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from .hopper_bench import _hopper_scores
-from .latency import CONF, palu_case
+from .cases import palu_case
+from .latency import CONF
 
 
 def main(argv=None):

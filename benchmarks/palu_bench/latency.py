@@ -14,100 +14,11 @@ from pathlib import Path
 
 import torch
 
+from .cases import dense_case, palu_case
+from .latency_tuning import tune, tune_params
+from .timing import bench_rotated, measure_ceilings, rel_err, rotation_copies, speedups, timed_row
+
 CONF = Path(__file__).resolve().parent / "conf" / "bench" / "latency.yaml"
-
-
-def rotation_copies(nbytes: int, cfg: dict) -> int:
-    """How many input copies one timed call cycles through so that no step finds its inputs in L2.
-
-    Replaying one set of buffers lets a step whose inputs fit in L2 (the H200's 60 MB: a 4-bit
-    Palu step at 4K-16K, 18-38 MB) read them from L2, not HBM: the short rows looked 8-22 % too
-    fast (issue 39). A decode step of a real model reads another layer's cache each time, so each
-    call here cycles through copies totalling `rotate_l2_multiple` x L2 (at least one copy)."""
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    want = math.ceil(cfg.get("rotate_l2_multiple", 4) * l2 / max(1, nbytes))
-    return max(1, min(cfg.get("rotate_max_copies", 64), want))
-
-
-def _bench_rotated(fns: list, warmup_ms: float, rep_ms: float) -> float:
-    """Median seconds of one call, each replay calling every copy's `fn` once in turn."""
-    if len(fns) == 1:
-        return _bench(fns[0], warmup_ms, rep_ms)
-
-    def every():
-        for fn in fns:
-            fn()
-    return _bench(every, warmup_ms, rep_ms) / len(fns)
-
-
-def _bench(fn, warmup_ms: float, rep_ms: float, graph: bool = True) -> float:
-    """Median seconds per call. Decode steps are CUDA-graph replays (as a serving stack runs
-    them), so Python launch overhead is not what is measured."""
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e-3
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
-
-
-def measure_ceilings(warmup_ms=10, rep_ms=50) -> dict:
-    """Device-to-device copy bandwidth (read + write bytes) and fp16 matmul rate, measured."""
-    n = 2 ** 30  # 2 GiB of fp16 read, 2 GiB written
-    src = torch.randn(n, device="cuda", dtype=torch.float16)
-    dst = torch.empty_like(src)
-    t = _bench(lambda: dst.copy_(src), warmup_ms, rep_ms, graph=False)
-    bw = 2 * n * 2 / t
-    del src, dst
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    t = _bench(lambda: a @ b, warmup_ms, rep_ms, graph=False)
-    return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * 8192 ** 3 / t}
-
-
-def _rope_inv_freq(head_dim, theta, device):
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
-
-
-def _latent_bytes(B, G, T, r, bits):
-    if bits == 16:
-        return B * G * T * r * 2
-    return B * G * T * (r * bits // 8 + 4)  # packed data + fp16 scale + fp16 zero point
-
-
-def palu_case(shape, B, T, s, kept_k, kept_v, bits, rope, device="cuda", seed=0):
-    """Random latents / factors for one configuration, plus its byte and FLOP counts."""
-    from palu.quant.packed import quantize_latent
-    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    G, n_rep = KVH // s, H // KVH
-    rk, rv = int(kept_k * s * D), int(kept_v * s * D)
-    g = torch.Generator(device=device).manual_seed(seed)
-    hk = torch.randn(B, G, T, rk, device=device, dtype=torch.float16, generator=g)
-    hv = torch.randn(B, G, T, rv, device=device, dtype=torch.float16, generator=g)
-    q = torch.randn(B, H, D if rope else rk, device=device, dtype=torch.float16, generator=g)
-    bk = (torch.randn(G, s * D, rk, device=device, dtype=torch.float16, generator=g)
-          / math.sqrt(rk)) if rope else None
-    if bits != 16:
-        hk, hv = quantize_latent(hk, bits), quantize_latent(hv, bits)
-    kw = dict(scale=1 / math.sqrt(D), n_rep=n_rep, group_size=s, bk=bk,
-              position_offset=torch.zeros(B, device=device, dtype=torch.int32),
-              inv_freq=_rope_inv_freq(D, shape["rope_theta"], device))
-    from palu_kernels.palu_decode import _fused_unfit
-    one_pass = _fused_unfit(rope, rk, rv, bits, bits, max(16, s * n_rep)) is None
-    nbytes = (_latent_bytes(B, G, T, rk, bits) + _latent_bytes(B, G, T, rv, bits)
-              + (0 if one_pass else 2 * B * H * T * 4)        # scores written and read back
-              + (bk.numel() * 2 if rope else 0))
-    flops = 2 * B * T * H * rv + (2 * B * T * (KVH * D * rk + H * D) if rope else 2 * B * T * H * rk)
-    return q, hk, hv, kw, {"rank_k": rk, "rank_v": rv, "groups": G, "bytes": nbytes, "flops": flops}
-
-
-def dense_case(shape, B, T, device="cuda", seed=0):
-    H, KVH, D = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(B, H, 1, D, device=device, dtype=torch.float16, generator=g)
-    k = torch.randn(B, KVH, T, D, device=device, dtype=torch.float16, generator=g)
-    v = torch.randn(B, KVH, T, D, device=device, dtype=torch.float16, generator=g)
-    return q, k, v, {"bytes": 2 * B * KVH * T * D * 2, "flops": 4 * B * H * T * D}
 
 
 def _eager(q, k, v):
@@ -140,8 +51,8 @@ def baseline_rows(shape_name, shape, B, T, cfg, ceil, checks, log=print) -> tupl
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         try:
-            err = _rel_err(lambda: call(q, k, v).float(), ref) if check else None
-            t = _bench_rotated([lambda c=c: call(*c) for c in cases], w, r)
+            err = rel_err(lambda: call(q, k, v).float(), ref) if check else None
+            t = bench_rotated([lambda c=c: call(*c) for c in cases], w, r)
         except Exception as e:   # a backend this GPU / shape does not serve: recorded, not fatal
             rows.append({"variant": f"sdpa-{name}", "shape": shape_name, "batch": B, "length": T,
                          "error": f"{type(e).__name__}: {e}"[:300]})
@@ -150,15 +61,15 @@ def baseline_rows(shape_name, shape, B, T, cfg, ceil, checks, log=print) -> tupl
         if check:
             checks.append({"shape": shape_name, "variant": f"sdpa-{name}", "rel_err": err})
         times[name] = t
-        rows.append(_row(f"sdpa-{name}", shape_name, B, T, t, counts, ceil, backend=name))
+        rows.append(timed_row(f"sdpa-{name}", shape_name, B, T, t, counts, ceil, backend=name))
     if not times:
         raise RuntimeError(f"no torch SDPA backend ran at {shape_name} B={B} T={T}: {rows}")
     best = min(times, key=times.get)
     base = {"sdpa": times[best]}
-    rows.append(_row("sdpa", shape_name, B, T, times[best], counts, ceil, backend=best))
+    rows.append(timed_row("sdpa", shape_name, B, T, times[best], counts, ceil, backend=best))
     if T <= cfg.get("eager_max_length", 131072):
-        base["eager"] = _bench_rotated([lambda c=c: _eager(*c) for c in cases], w, r)
-        rows.append(_row("eager", shape_name, B, T, base["eager"], counts, ceil))
+        base["eager"] = bench_rotated([lambda c=c: _eager(*c) for c in cases], w, r)
+        rows.append(timed_row("eager", shape_name, B, T, base["eager"], counts, ceil))
     for row in rows:
         if "seconds" in row:
             row.update(speedups(row["seconds"], base))
@@ -166,29 +77,6 @@ def baseline_rows(shape_name, shape, B, T, cfg, ceil, checks, log=print) -> tupl
         + (f", eager {base['eager'] * 1e6:.1f} us" if "eager" in base else "")
         + f" ({counts['copies']} copies)")
     return rows, base
-
-
-def _rel_err(fn, ref) -> float:
-    """Relative error of one kernel call against the float32 reference output."""
-    return ((fn() - ref).norm() / ref.norm()).item()
-
-
-def _row(name, shape_name, B, T, t, counts, ceil, **extra):
-    floor = max(counts["bytes"] / ceil["copy_bytes_per_s"], counts["flops"] / ceil["matmul_flops_per_s"])
-    return {"variant": name, "shape": shape_name, "batch": B, "length": T, "seconds": t,
-            "copies": counts.get("copies", 1),
-            "bytes": counts["bytes"], "flops": counts["flops"], "tb_per_s": counts["bytes"] / t / 1e12,
-            "tflop_per_s": counts["flops"] / t / 1e12, "roofline_floor_s": floor,
-            "roofline_fraction": floor / t, **extra}
-
-
-def speedups(t: float, base: dict) -> dict:
-    """Speed-up over the best torch SDPA backend of the same run, and over eager attention (the
-    paper's baseline: its latency script times transformers' `LlamaAttention`), where timed."""
-    out = {"speedup": base["sdpa"] / t}
-    if base.get("eager"):
-        out["speedup_eager"] = base["eager"] / t
-    return out
 
 
 def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, base, checks, split):
@@ -201,7 +89,7 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, b
     fns = [lambda: palu_decode(qi, hk, hv, **kw, **params)]  # noqa: E731
     if T == cfg["check_length"] and B == 1:
         ref = latent_decode_reference(qi, hk, hv, **kw)
-        err = _rel_err(fns[0], ref)
+        err = rel_err(fns[0], ref)
         checks.append({"shape": shape_name, "group": s, "bits": bits, "rope": rope, "split": split,
                        "rel_err": err})
     c["copies"] = rotation_copies(c["bytes"], cfg)
@@ -210,8 +98,8 @@ def _palu_row(name, shape_name, shape, B, T, s, kk, kv, bits, rope, cfg, ceil, b
         if not rope:
             kw2["bk"] = None
         fns.append(lambda q2=q2, hk2=hk2, hv2=hv2, kw2=kw2: palu_decode(q2, hk2, hv2, **kw2, **params))
-    t = _bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
-    return _row(name, shape_name, B, T, t, c, ceil, **speedups(t, base), group_size=s, bits=bits,
+    t = bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
+    return timed_row(name, shape_name, B, T, t, c, ceil, **speedups(t, base), group_size=s, bits=bits,
                 rope=rope, split=split, rank_k=c["rank_k"], rank_v=c["rank_v"])
 
 
@@ -243,11 +131,11 @@ def kivi_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) -> li
             fns = [lambda q=q, cache=cache: kivi_decode(q, cache, **params) for q, cache in cases]
             name = f"kivi-b{bits}" if i == 0 else "tune"
             try:
-                err = _rel_err(fns[0], ref) if check else None
+                err = rel_err(fns[0], ref) if check else None
                 if check and i == 0:
                     checks.append({"shape": shape_name, "variant": name, "bits": bits, "rel_err": err})
-                t = _bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
-                rows.append(_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base), bits=bits,
+                t = bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
+                rows.append(timed_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base), bits=bits,
                                  group_size=kc.get("group", 32), params=str(params),
                                  **({"rel_err": err} if check else {})))
                 log(f"kivi-b{bits} {params} {shape_name} B={B} T={T}: {t * 1e6:.1f} us "
@@ -269,18 +157,6 @@ def best_palu_seconds(rows, shape_name, B, T) -> float:
     return min(times, default=float("nan"))
 
 
-def tune_params(variant) -> dict:
-    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
-    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
-    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
-    if isinstance(variant, dict):
-        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
-    if len(variant) != 4:
-        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
-                         "nor a mapping of palu_decode keywords")
-    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])
-
-
 def run(cfg: dict, out: str | None = None, log=print) -> dict:
     from palu_kernels.palu_decode import palu_decode
     if not torch.cuda.is_available():
@@ -289,7 +165,6 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
     ceil = measure_ceilings()
     log(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
-    from .latency_tuning import tune
     rows, checks = tune(cfg, ceil, log), []
     w, r = cfg["warmup_ms"], cfg["rep_ms"]
     points = [(1, T) for T in cfg["lengths"]] + [(b["batch"], b["length"]) for b in cfg["batches"]]
@@ -305,9 +180,9 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
             c["copies"] = rotation_copies(c["bytes"], cfg)
             cases += [palu_case(shape, B, T, 1, 1.0, 1.0, 4, rope=False, seed=seed)
                       for seed in range(1, c["copies"])]
-            t = _bench_rotated([lambda qi=qi, hk=hk, hv=hv, kw=kw: palu_decode(qi, hk, hv, **{**kw, "bk": None})
+            t = bench_rotated([lambda qi=qi, hk=hk, hv=hv, kw=kw: palu_decode(qi, hk, hv, **{**kw, "bk": None})
                                 for qi, hk, hv, kw, _ in cases], w, r)
-            rows.append(_row("int4_kv", shape_name, B, T, t, c, ceil, **speedups(t, base)))
+            rows.append(timed_row("int4_kv", shape_name, B, T, t, c, ceil, **speedups(t, base)))
             del cases
             rows += kivi_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log)
             if B == 1 and T in (cfg.get("selection") or {}).get("lengths", []):

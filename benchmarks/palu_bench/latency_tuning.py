@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .latency import _bench_rotated, _rel_err, _row, palu_case, rotation_copies, tune_params
+from .cases import palu_case
+from .timing import bench_rotated, rel_err, rotation_copies, timed_row
 
 
 def tune_plan(cfg) -> list[tuple[dict, list]]:
@@ -48,9 +49,9 @@ def tune(cfg, ceil, log) -> list[dict]:
             fns = [lambda q=q, a=a, b=b, k=k: palu_decode(q, a, b, **k, **params)
                    for q, a, b, k in [(qi, hk, hv, kw), *others]]
             try:
-                err = _rel_err(fns[0], ref)
-                t = _bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
-                row = _row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
+                err = rel_err(fns[0], ref)
+                t = bench_rotated(fns, cfg["warmup_ms"], cfg["rep_ms"])
+                row = timed_row("tune", case["shape"], 1, case["length"], t, c, ceil, **case, params=str(v),
                            rel_err=err)
             except Exception as err:
                 row = {"variant": "tune", "batch": 1, **case, "params": str(v), "error": str(err)[:200]}
@@ -60,3 +61,15 @@ def tune(cfg, ceil, log) -> list[dict]:
         del qi, hk, hv, ref, others
         torch.cuda.empty_cache()
     return out
+
+
+def tune_params(variant) -> dict:
+    """palu_decode keyword arguments of one tune variant: the two-pass shorthand
+    [block_t, [stages], [warps], block_r], or a mapping of palu_decode keywords (e.g. the one-pass
+    kernel's {fused_int_keys: true, fused_maxnreg: 128, splits: 64})."""
+    if isinstance(variant, dict):
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
+    if len(variant) != 4:
+        raise ValueError(f"tune variant {variant!r} is neither [block_t, stages, warps, block_r] "
+                         "nor a mapping of palu_decode keywords")
+    return dict(block_t=variant[0], stages=tuple(variant[1]), warps=tuple(variant[2]), block_r=variant[3])

@@ -18,7 +18,7 @@ import sys
 import torch
 import triton
 
-from .latency import _bench_rotated
+from .timing import bench_rotated
 
 SHAPES = {"llama2-7b": (32, 32), "llama3-8b": (32, 8)}   # query heads, KV heads
 T, D, RANK, SKETCH, WINDOW, TOKENS = 65536, 128, 64, 16, 32, 1024
@@ -43,7 +43,7 @@ def main(out: str, parts=("scores", "topk", "attend")) -> None:
                     c["sk"].stride(1), c["sk"].stride(2), G, REP=H // G, D=D, R=RANK, SKETCH=SKETCH,
                     BLOCK_T=block_t, WITH_HIST=with_hist, num_warps=warps)
                 return sc, hist
-            t = _bench_rotated([lambda c=c: score(c) for c in cases], 5, 10)
+            t = bench_rotated([lambda c=c: score(c) for c in cases], 5, 10)
             gbs = G * T * SKETCH * 2 / t / 1e9
             rows.append({"shape": name, "kernel": "scores", "block_t": block_t, "warps": warps,
                          "histogram": with_hist, "time_s": t, "GB_per_s": gbs})
@@ -56,11 +56,11 @@ def main(out: str, parts=("scores", "topk", "attend")) -> None:
                                        min_block=min_block, atomic=atomic, offsets_warps=ow)
             got = sc[..., :T - WINDOW].float().gather(-1, fn()[..., :TOKENS]).sort(-1).values
             ok = bool(torch.equal(got, want))
-            t = _bench_rotated([fn], 5, 10)
+            t = bench_rotated([fn], 5, 10)
             launches = []
             st.radix_topk(sc, TOKENS, WINDOW, hist=hist, max_chunks=chunks, min_block=min_block,
                           atomic=atomic, offsets_warps=ow, _parts=launches)
-            times = [_bench_rotated([f], 5, 10) for f in launches]
+            times = [bench_rotated([f], 5, 10) for f in launches]
             rows.append({"shape": name, "kernel": "radix_topk", "max_chunks": chunks, "min_block": min_block,
                          "atomic": atomic, "offsets_warps": ow,
                          "block": max(min_block, triton.next_power_of_2(triton.cdiv(T - WINDOW, chunks))),
@@ -90,7 +90,7 @@ def main(out: str, parts=("scores", "topk", "attend")) -> None:
         for splits, block_n, warps, early_v, torch_merge in grid * ("attend" in parts):
             kw = dict(splits=splits, block_n=block_n, num_warps=warps, early_v=early_v, torch_merge=torch_merge)
             err = float((select_attend(*args(idxs[0]), **kw) - ref).norm() / ref.norm())
-            t = _bench_rotated([lambda i=i: select_attend(*args(i), **kw) for i in idxs], 5, 10)
+            t = bench_rotated([lambda i=i: select_attend(*args(i), **kw) for i in idxs], 5, 10)
             rows.append({"shape": name, "kernel": "select_attend", **kw, "index_sets": sets, "time_s": t,
                          "rel_err_vs_torch_merge": err})
             print(f"{name} attend splits={splits} block_n={block_n} warps={warps} early_v={early_v} "
@@ -98,7 +98,7 @@ def main(out: str, parts=("scores", "topk", "attend")) -> None:
                   flush=True)
         if "topk" not in parts:
             continue
-        t = _bench_rotated([lambda: sc[..., :T - WINDOW].topk(TOKENS, -1, sorted=False)], 5, 10)
+        t = bench_rotated([lambda: sc[..., :T - WINDOW].topk(TOKENS, -1, sorted=False)], 5, 10)
         rows.append({"shape": name, "kernel": "torch.topk", "time_s": t})
         print(f"{name} torch.topk: {t * 1e6:.1f} us", flush=True)
     info = {"device": torch.cuda.get_device_name(), "versions": {"torch": torch.__version__,

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from .latency import _bench_rotated, _rel_err, _rope_inv_freq, _row, rotation_copies, speedups
+from .cases import rope_inv_freq
+from .timing import bench_rotated, rel_err, rotation_copies, speedups, timed_row
 
 
 def selection_case(shape, B, T, rank, sketch, stored, seed=0, device="cuda"):
@@ -59,7 +60,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
     sc = cfg["selection"]
     rank, window = int(sc["kept"] * shape["head_dim"]), sc["window"]
     n_rep, D = shape["heads"] // shape["kv_heads"], shape["head_dim"]
-    inv_freq = _rope_inv_freq(D, shape["rope_theta"], "cuda")
+    inv_freq = rope_inv_freq(D, shape["rope_theta"], "cuda")
     w, r, rows = cfg["warmup_ms"], cfg["rep_ms"], []
     for stored in sc["stored_sketch"]:
         for sketch in sc["sketch"]:
@@ -76,7 +77,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                 ref = latent_decode_reference(c["q_rot"], c["hk"], c["hv"], bk=c["bk"], group_size=1,
                                               inv_freq=inv_freq, position_offset=torch.zeros(B, device="cuda"),
                                               **kw)
-                err = _rel_err(lambda: selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
+                err = rel_err(lambda: selection_decode(c["q"], c["q_rot"], c["hk"], c["hv"], c["bk"], inv_freq,
                                                         tokens=T - window, window=window, sketch=sketch, **kw), ref)
                 checks.append({"shape": shape_name, "variant": "select-all-tokens", "rel_err": err})
             for tokens, topk, attend in [(k, t, a) for k in sc["tokens"] if k + window < T
@@ -96,11 +97,11 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                                                  cases[0]["bk"], inv_freq, tokens=tokens, window=window,
                                                  sketch=sketch, sketch_latents=cases[0]["sk"], **kw)
                         checks.append({"shape": shape_name, "length": T, "variant": name,
-                                       "rel_err": _rel_err(lambda: step(cases[0]), plain)})
+                                       "rel_err": rel_err(lambda: step(cases[0]), plain)})
                     if topk == "radix":   # the chosen scores are the k largest (torch.topk's values)
                         checks.append({"shape": shape_name, "length": T, "variant": name + "-topk-values",
                                        "rel_err": _radix_value_error(cases[0], tokens, window, sketch, kw)})
-                    t = _bench_rotated([lambda c=c: step(c) for c in cases], w, r)
+                    t = bench_rotated([lambda c=c: step(c) for c in cases], w, r)
                     attend_fn = {"fp32": attend_selected,
                                  "fused": lambda *a, **kw2: select_attend(*a, **kw2, splits=splits, **options),
                                  "sdpa": lambda q, a, b, k, i, _f, **kw2: attend_selected_sdpa(
@@ -113,7 +114,7 @@ def selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log=print) 
                     log(f"{name} {shape_name} T={T}: FAILED {type(err).__name__}: {err}"[:300])
                     continue
                 counts = {**step_counts(shape, B, T, rank, sketch, tokens + window, topk), "copies": copies}
-                rows.append(_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base),
+                rows.append(timed_row(name, shape_name, B, T, t, counts, ceil, **speedups(t, base),
                                  rank_k=rank, rank_v=rank, tokens=tokens, window=window, sketch=sketch,
                                  topk=topk, attend=attend, stored_sketch=stored, rope=True, **parts))
                 log(f"{name} {shape_name} T={T}: {t * 1e6:.1f} us ({base['sdpa'] / t:.2f}x SDPA; "
@@ -157,9 +158,9 @@ def _parts(cases, tokens, topk, window, sketch, inv_freq, kw, w, r,
         c["scores"] = score(c)
         c["idx"] = select(c)
     out = {
-        "part_scores_s": _bench_rotated([lambda c=c: score(c) for c in cases], w, r),
-        "part_topk_s": _bench_rotated([lambda c=c: select(c) for c in cases], w, r),
-        "part_attend_s": _bench_rotated([lambda c=c: attend_selected(c["q_rot"], c["hk"], c["hv"], c["bk"],
+        "part_scores_s": bench_rotated([lambda c=c: score(c) for c in cases], w, r),
+        "part_topk_s": bench_rotated([lambda c=c: select(c) for c in cases], w, r),
+        "part_attend_s": bench_rotated([lambda c=c: attend_selected(c["q_rot"], c["hk"], c["hv"], c["bk"],
                                                                      c["idx"], inv_freq, **kw) for c in cases], w, r),
     }
     for c in cases:

@@ -620,7 +620,7 @@ def test_quantised_values_stay_accurate_over_long_spread_attention(bits, fused):
     # With fields unpacked as n in [0, 2^bits) the tensor cores' truncating accumulation lost
     # 0.6-2 % here (measured on the H200: 8-bit 2.2e-2, 4-bit 5.9e-3, 2-bit 6.6e-3 one-pass);
     # centred fields (`_unpack_part`) 2e-4, 2e-4, 1.1e-3 (benchmarks/NOTES.md, v13).
-    from palu_bench.latency import palu_case
+    from palu_bench.cases import palu_case
     shape = {"heads": 32, "kv_heads": 32, "head_dim": 128, "rope_theta": 10000.0}
     q, hk, hv, kw, _ = palu_case(shape, 1, 131072, 1, 0.5, 0.5, bits, rope=False, device=DEV)
     kw["bk"] = None

@@ -133,7 +133,7 @@ def test_the_best_palu_time_of_a_point_skips_baselines_tune_and_failed_rows():
 
 
 def test_tune_variants_take_the_two_pass_shorthand_or_palu_decode_keywords():
-    from palu_bench.latency import tune_params
+    from palu_bench.latency_tuning import tune_params
     assert tune_params([32, [2, 3], [4, 4], 64]) == dict(block_t=32, stages=(2, 3), warps=(4, 4), block_r=64)
     assert tune_params({"fused_int_keys": True, "fused_maxnreg": 128, "splits": 64}) == \
         dict(fused_int_keys=True, fused_maxnreg=128, splits=64)
