@@ -205,6 +205,10 @@ def _search_ranks(model, geom, allocator, rank_method, kept_ratio, group_size, m
     if allocator.probes and grams is None:
         raise ValueError(f"rank_method={rank_method!r} needs decomposition='whitened' (its error "
                          "profiles and probe models are the whitened factors)")
+    if allocator.held_out and probe_windows is None:
+        raise ValueError(f"rank_method={rank_method!r} scores allocations on held-out text: pass "
+                         "probe_windows= cut from text neither the Gram nor the Fisher windows read "
+                         "(palu.decompose.search.held_out_windows); the Fisher windows are not reused")
     if probe_windows is None and fisher_windows is not None:
         probe_windows = fisher_windows[:PROBE_WINDOWS]
     return allocate_ranks(rank_method, kept_ratio, group_size, multiple, geom, stats=stats,

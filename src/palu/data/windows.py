@@ -89,9 +89,15 @@ def calibration_windows(tokens: torch.Tensor, n: int, seqlen: int, seed: int,
         raise ValueError(f"calibration text has {tokens.numel()} tokens: room for "
                          f"{tokens.numel() - text} different windows of seqlen={seqlen}, fewer than "
                          f"the {n} asked for (give more text, or fewer / shorter windows)")
+    starts = calibration_offsets(tokens.numel(), n, text, seed)
+    return _with_bos(torch.stack([tokens[s: s + text] for s in starts]), bos)
+
+
+def calibration_offsets(n_tokens: int, n: int, text: int, seed: int) -> list[int]:
+    """The start offsets `calibration_windows` draws for `n` windows of `text` text tokens (what
+    a held-out search window must avoid: `decompose.search.held_out_windows`)."""
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, tokens.numel() - text, (n,), generator=gen)
-    return _with_bos(torch.stack([tokens[s: s + text] for s in starts.tolist()]), bos)
+    return torch.randint(0, n_tokens - text, (n,), generator=gen).tolist()
 
 
 def _checked_offsets(offsets, last: int) -> list[int]:

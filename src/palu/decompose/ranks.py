@@ -67,6 +67,9 @@ class Allocator:
     units: Callable[[Budget], list[int]] | None = None
     probe: Callable[..., dict] | None = None
     spectra: bool = False
+    # its probe windows must be text neither the Gram nor the Fisher windows read (`search`):
+    # the callers cut them (`decompose.search.held_out_windows`), never the first Fisher windows
+    held_out: bool = False
 
     @property
     def probes(self) -> bool:
@@ -323,8 +326,9 @@ register_allocator("fisher", Allocator("fisher", units=_proportional(1.0)))
 register_allocator("fisher_uniform", Allocator("fisher", units=_fisher_uniform))
 register_allocator("fisher_sqrt", Allocator("fisher", units=_proportional(0.5)))
 register_allocator("fisher_rms", Allocator("rms_fisher", units=_proportional(1.0)))
-# error_aware, probe_select (decompose/probe.py), error_aware_bytes (decompose/bit_alloc.py)
-from . import probe, bit_alloc  # noqa: E402,F401  (registration)
+# error_aware, probe_select (decompose/probe.py), error_aware_bytes (decompose/bit_alloc.py),
+# search (decompose/search.py)
+from . import probe, bit_alloc, search  # noqa: E402,F401  (registration)
 
 RANK_METHODS = tuple(ALLOCATORS)
 # which Fisher statistic each method weighs blocks by (probe_select reads them all)

@@ -57,7 +57,11 @@ def run(cfg) -> dict:
             reorder_heads(model, orders)
             stats = permute_statistics(stats, orders)
             log.info("head order (similarity): %s", orders)
-        if allocator.probes:
+        if allocator.held_out:   # text neither the Gram nor the Fisher windows read (issue 53, item 3)
+            windows, held_out = held_out_windows_of(cfg, tok)
+            log.info("%s: %d search windows of %d tokens at calibration-text offsets %s, disjoint from "
+                     "the Gram's and the Fisher's", p.rank_method, len(windows), windows.shape[1], held_out["offsets"])
+        elif allocator.probes:
             from palu.decompose.probe import PROBE_WINDOWS
             # the probe scores the first Fisher windows (drawn apart from the Gram's windows, but from the
             # same text: they overlap, results/checks/probe-window-overlap.json; issue 53, item 3)
@@ -66,6 +70,8 @@ def run(cfg) -> dict:
         allocation = allocate_ranks(p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, geom,
                                     stats=stats, model=model, grams=grams, probe_windows=windows,
                                     source=str(used.get("fisher")), advice=_AGAIN)
+        if allocator.held_out:
+            allocation["search"]["held_out"] = held_out
         if allocator.probes:
             _log_probe(allocation)
         # sealed, and naming its model: decompose refuses an edited file or another model's
@@ -76,6 +82,24 @@ def run(cfg) -> dict:
     log.info("%s ranks: kept ratio %.4f (target %.4f) -> %s", p.rank_method,
              allocation["kept_ratio_realised"], p.kept_ratio, out)
     return allocation
+
+
+def held_out_windows_of(cfg, tok):
+    """Search windows from the calibration text that neither the Gram windows (calibration.*) nor
+    the Fisher windows (fisher.*) read, and the record of all three draws' offsets."""
+    from palu.data.corpora import load_corpus
+    from palu.data.windows import bos_token_for, calibration_offsets, tokenize
+    from palu.decompose.search import held_out_windows
+    c, f = cfg.calibration, cfg.fisher
+    tokens = tokenize(tok, load_corpus(c.corpus, path=c.path).calibration_text)
+    bos = bos_token_for(tok, c.bos)
+    gram_text, fisher_text = c.seqlen - (bos is not None), f.seqlen - (bos is not None)
+    gram = calibration_offsets(tokens.numel(), c.samples, gram_text, c.seed)
+    fisher = calibration_offsets(tokens.numel(), f.samples, fisher_text, f.seed)
+    windows, starts = held_out_windows(tokens, [(gram, gram_text), (fisher, fisher_text)], bos=bos)
+    text = windows.shape[1] - (bos is not None)
+    return windows, {"offsets": starts, "text_tokens": text, "gram": {"offsets": gram, "text_tokens": gram_text},
+                     "fisher": {"offsets": fisher, "text_tokens": fisher_text}}
 
 
 def _log_probe(allocation: dict) -> None:
@@ -95,6 +119,11 @@ def _log_probe(allocation: dict) -> None:
                      row["key_weight"], row["key_share"], row["ppl"])
     if allocation.get("selected"):
         log.info("probe_select chose %s", allocation["selected"])
+    if "search" in allocation:
+        sr = allocation["search"]
+        log.info("search: from %s, loss %.4f -> %.4f (ppl %.3f) in %d evaluations of %d, %d rounds",
+                 sr["start"], sr["start_loss"], sr["loss"], sr["ppl"], sr["evaluations"], sr["budget"],
+                 len(sr["rounds"]) - 1)
 
 
 main = entry_point(run)

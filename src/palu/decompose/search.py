@@ -1,0 +1,153 @@
+"""`search` (issue 53): ranks moved by the measured LM loss, not chosen by a loss model.
+
+probe_select picks the best of a few statistics-based allocations; where none is good it cannot do
+better. `search` starts from probe_select's choice and moves ranks between blocks by what the
+truncated model's loss (each K / V block at its rank, the unquantised Palu model) says on *search
+windows*: every round it measures, for each block, the loss of giving up one unit of `multiple`
+dims and of taking one more (2 evaluations a block), then tries the pairs (donor, receiver) in the
+order those marginals predict, each verified by one evaluation and kept only if the loss falls,
+each block moved at most once a round; it stops when a round keeps nothing or the evaluations run
+out. The total rank, so the bytes of every latent width, never changes; ranks stay multiples of
+`multiple` in 1 unit .. the block's full rank. Deterministic: no sampling.
+
+Search windows must be text that neither the Gram nor the Fisher windows read, nor any evaluation
+(`held_out_windows` cuts them from the calibration text's unread spans; the evaluation text is
+another split). The windows used are recorded in the allocation (`search.windows`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..models.adapters import adapter_for, geometry_of
+from .ranks import Allocator, Slot, register_allocator
+
+EVALUATIONS = 400      # loss evaluations a search may spend (probe_select's start included)
+WINDOW_TOKENS = 512    # search window length
+WINDOWS = 4            # search windows (2,048 tokens)
+
+
+def held_out_windows(tokens: torch.Tensor, drawn: list[tuple[list[int], int]], seqlen: int = WINDOW_TOKENS,
+                     n: int = WINDOWS, bos: int | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Up to `n` windows of `seqlen` tokens (`bos` first, as `data.windows` makes them) cut, in
+    order, from the text that none of the `drawn` windows reads ((start offsets, text length) per
+    draw: the Gram's and the Fisher's). Returns the windows and their start offsets; refused by
+    name when not even one fits."""
+    text = seqlen - (bos is not None)
+    free = torch.ones(tokens.numel(), dtype=torch.bool)
+    for offsets, length in drawn:
+        for s in offsets:
+            free[s:s + length] = False
+    # runs of unread tokens: [start, end) where `free` turns on and off
+    edges = torch.diff(torch.cat([torch.zeros(1), free.float(), torch.zeros(1)])).nonzero().flatten().tolist()
+    starts = []
+    for run_start, run_end in zip(edges[::2], edges[1::2]):
+        for s in range(run_start, run_end - text + 1, text):
+            if len(starts) < n:
+                starts.append(s)
+    if not starts:
+        raise ValueError(f"no {seqlen}-token search window fits in the calibration text that the Gram "
+                         f"and Fisher windows leave unread ({int(free.sum())} tokens): shorten the "
+                         "windows or draw fewer calibration windows")
+    windows = torch.stack([tokens[s:s + text] for s in starts])
+    if bos is not None:
+        windows = torch.cat([torch.full((len(starts), 1), bos, dtype=windows.dtype), windows], 1)
+    return windows, starts
+
+
+class _Truncation:
+    """The model with each K / V block at a rank, one block rewritten at a time; restored on exit."""
+
+    def __init__(self, model, svds: dict, group_size: int):
+        adapter, geom = adapter_for(model.config), geometry_of(model.config)
+        self.svds, self.rows = svds, group_size * geom.head_dim
+        self.proj, self.saved = {}, []
+        for l, layer in enumerate(adapter.layers(model)):
+            _, k, v, _ = adapter.projections(adapter.attention(layer))
+            for kind, p in (("k", k), ("v", v)):
+                self.proj[(l, kind)] = p
+                self.saved.append((p, p.weight.data.clone()))
+
+    def set(self, slot: Slot, rank: int) -> None:
+        U, sigma, V = self.svds[slot]
+        p = self.proj[(slot.layer, slot.kind)]
+        block = (U[:, :rank] * sigma[:rank]) @ V[:rank]
+        p.weight.data[slot.group * self.rows:(slot.group + 1) * self.rows] = block.to(p.weight.dtype)
+
+    def restore(self) -> None:
+        for p, w in self.saved:
+            p.weight.data.copy_(w)
+
+
+def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: int, multiple: int,
+                 windows: torch.Tensor, evaluations: int = EVALUATIONS) -> dict:
+    """probe_select's allocation on `windows`, then ranks moved by measured loss (module docstring).
+    Returns the allocation labelled `search`, with its start, its loss at each accepted move and
+    the evaluations spent under "search"."""
+    from .probe import probe_loss, probe_select
+    if evaluations < 1:
+        raise ValueError(f"search evaluations={evaluations!r} must be a positive number")
+    start = probe_select(model, svds, stats, kept_ratio, group_size, multiple, windows)
+    spent = len(start["probe"]["candidates"])
+    ranks = {Slot(r["layer"], r["kind"], r["group"]): r["rank"] for r in start["ranks"]}
+    full = {Slot(r["layer"], r["kind"], r["group"]): r["full"] for r in start["ranks"]}
+    order = list(ranks)
+    t = _Truncation(model, svds, group_size)
+    history = []
+    try:
+        for s in order:
+            t.set(s, ranks[s])
+        loss = probe_loss(model, windows)
+        spent += 1
+        history.append({"evaluations": spent, "loss": loss, "moves": 0})
+        while spent < evaluations:
+            cost, gain = {}, {}
+            for s in order:   # each block's marginals: one unit less, one unit more
+                for delta, out in ((-multiple, cost), (multiple, gain)):
+                    r = ranks[s] + delta
+                    if spent >= evaluations or not multiple <= r <= full[s]:
+                        continue
+                    t.set(s, r)
+                    out[s] = probe_loss(model, windows) - loss
+                    spent += 1
+                    t.set(s, ranks[s])
+            pairs = sorted((cost[d] + gain[g], i, j, d, g) for i, d in enumerate(order) if d in cost
+                           for j, g in enumerate(order) if g in gain and g != d)
+            moved, touched = 0, set()
+            for predicted, _, _, d, g in pairs:
+                if predicted >= 0 or spent >= evaluations:
+                    break
+                if d in touched or g in touched:
+                    continue
+                t.set(d, ranks[d] - multiple)
+                t.set(g, ranks[g] + multiple)
+                trial = probe_loss(model, windows)
+                spent += 1
+                if trial < loss:
+                    ranks[d] -= multiple
+                    ranks[g] += multiple
+                    loss, moved = trial, moved + 1
+                    touched |= {d, g}
+                else:
+                    t.set(d, ranks[d])
+                    t.set(g, ranks[g])
+            history.append({"evaluations": spent, "loss": loss, "moves": moved})
+            if not moved:
+                break
+    finally:
+        t.restore()
+    allocation = {**start, "method": "search",
+                  "ranks": [{**r, "rank": ranks[Slot(r["layer"], r["kind"], r["group"])]} for r in start["ranks"]]}
+    allocation["search"] = {"start": start["selected"], "start_loss": history[0]["loss"],
+                            "loss": loss, "ppl": math.exp(loss), "evaluations": spent,
+                            "budget": evaluations, "rounds": history,
+                            "windows": int(len(windows)), "seqlen": int(windows.shape[1])}
+    return allocation
+
+
+def _search(model, svds, stats, kept_ratio, group_size, multiple, windows, key_weight) -> dict:
+    return search_ranks(model, svds, stats, kept_ratio, group_size, multiple, windows)
+
+
+register_allocator("search", Allocator("all", probe=_search, held_out=True))

@@ -1,0 +1,86 @@
+"""The searching allocator (issue 53, `decompose/search.py`) on a tiny float64 model: ranks moved by
+measured loss never lose to the probe_select allocation they start from on the search windows,
+keep the budget, the multiples and the caps, are deterministic and spend at most their
+evaluations; its windows are text neither the Gram nor the Fisher windows read, and nothing falls
+back to the Fisher windows."""
+import copy
+
+import pytest
+import torch
+
+import palu
+from palu.calib.fisher import collect_fisher
+from palu.calib.gram import collect_grams
+from palu.data.windows import calibration_offsets
+from palu.decompose.probe import probe_loss, probe_select, truncated
+from palu.decompose.search import held_out_windows, search_ranks
+from palu.decompose.spectra import whitened_svds
+from tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_llama(0).double()
+    calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
+    grams = collect_grams(model, calib, progress=False)["gram"]
+    stats = collect_fisher(model, calib, progress=False)
+    search = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(7))
+    return model, grams, stats, search
+
+
+def test_search_never_loses_to_its_start_and_keeps_the_budget(setup):
+    model, grams, stats, windows = setup
+    svds = whitened_svds(model, grams, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    found = search_ranks(model, svds, stats, 0.5, 1, 2, windows, evaluations=60)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))     # weights restored
+    start = probe_select(model, svds, stats, 0.5, 1, 2, windows)
+    with truncated(model, svds, found):
+        loss = probe_loss(model, windows)
+    s = found["search"]
+    assert s["start"] == start["selected"] and abs(loss - s["loss"]) < 1e-12
+    assert loss <= s["start_loss"] and s["evaluations"] <= 60 and s["budget"] == 60
+    assert [h["loss"] for h in s["rounds"]] == sorted((h["loss"] for h in s["rounds"]), reverse=True)
+    ranks = [r["rank"] for r in found["ranks"]]
+    assert sum(ranks) == sum(r["rank"] for r in start["ranks"]) == found["latent_size"]
+    assert all(r % 2 == 0 and 2 <= r <= f["full"] for r, f in zip(ranks, found["ranks"]))
+    assert found["method"] == "search" and found["kept_ratio_realised"] == start["kept_ratio_realised"]
+    again = search_ranks(model, svds, stats, 0.5, 1, 2, windows, evaluations=60)
+    assert again["ranks"] == found["ranks"] and again["search"]["loss"] == s["loss"]    # deterministic
+
+
+def test_a_search_with_room_moves_ranks_and_lowers_the_loss(setup):
+    """At a tight budget on this model the marginals find improving moves (the test would be
+    vacuous if the search never moved anything)."""
+    model, grams, stats, windows = setup
+    svds = whitened_svds(model, grams, 1)
+    found = search_ranks(model, svds, stats, 0.3, 1, 2, windows, evaluations=200)
+    s = found["search"]
+    assert sum(h["moves"] for h in s["rounds"]) >= 1 and s["loss"] < s["start_loss"]
+
+
+def test_held_out_windows_avoid_every_drawn_window_and_are_recorded():
+    tokens = torch.arange(5000)
+    gram = calibration_offsets(5000, 6, 400, seed=0)
+    fisher = calibration_offsets(5000, 3, 400, seed=1)
+    windows, starts = held_out_windows(tokens, [(gram, 400), (fisher, 400)], seqlen=128, n=8, bos=1)
+    assert windows.shape == (len(starts), 128) and (windows[:, 0] == 1).all()
+    read = set()
+    for s in gram + fisher:
+        read |= set(range(s, s + 400))
+    for w, s in zip(windows, starts):
+        assert torch.equal(w[1:], tokens[s:s + 127])
+        assert not read & set(range(s, s + 127)), s                          # disjoint from both draws
+    assert len(set(starts)) == len(starts)
+    with pytest.raises(ValueError, match="no 512-token search window fits"):
+        held_out_windows(torch.arange(600), [([0], 500)], seqlen=512)
+
+
+def test_compress_with_search_needs_held_out_windows(setup):
+    model, grams, stats, windows = setup
+    with pytest.raises(ValueError, match="held-out text: pass probe_windows="):
+        palu.compress(copy.deepcopy(model), None, 0.5, 1, "search", multiple=2, progress=False,
+                      grams=grams, fisher_stats=stats, fisher_windows=windows)
+    picked = palu.compress(copy.deepcopy(model), None, 0.5, 1, "search", multiple=2, progress=False,
+                           grams=grams, fisher_stats=stats, probe_windows=windows)
+    assert picked.allocation["method"] == "search"
