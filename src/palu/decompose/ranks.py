@@ -22,6 +22,10 @@ results/checks/probe-window-overlap.json), and keeps the best. No single loss mo
 SmolLM2 (fisher_rms at kept 0.3, uniform at 0.5; results/tables/rank_allocation.md); the probe
 reads which one does for this model, budget and granularity.
 
+`search` (decompose/search.py) starts from probe_select's choice and moves ranks between blocks
+by the truncated model's measured loss on held-out windows (text neither the Gram nor the Fisher
+windows read), the budget unchanged.
+
 `error_aware_bytes` (decompose/bit_alloc.py) spends a byte budget instead of a dims budget: ranks
 per block and a latent width per layer, its kept ratio read as the fraction of the FP16 cache's
 bytes.

@@ -16,6 +16,7 @@ another split). The windows used are recorded in the allocation (`search.windows
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -26,6 +27,7 @@ from .ranks import Allocator, Slot, register_allocator
 EVALUATIONS = 400      # loss evaluations a search may spend (probe_select's start included)
 WINDOW_TOKENS = 512    # search window length
 WINDOWS = 4            # search windows (2,048 tokens)
+log = logging.getLogger(__name__)
 
 
 def held_out_windows(tokens: torch.Tensor, drawn: list[tuple[list[int], int]], seqlen: int = WINDOW_TOKENS,
@@ -133,6 +135,8 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                     t.set(d, ranks[d])
                     t.set(g, ranks[g])
             history.append({"evaluations": spent, "loss": loss, "moves": moved})
+            log.info("search round %d: %d moves kept, loss %.4f (start %.4f), %d of %d evaluations",
+                     len(history) - 1, moved, loss, history[0]["loss"], spent, evaluations)
             if not moved:
                 break
     finally:

@@ -25,7 +25,10 @@ def _kept_fraction(allocation: dict) -> np.ndarray:
 
 def _method_label(allocation: dict) -> str:
     label = allocation["method"]
-    if allocation.get("selected"):          # probe_select names the allocator it chose
+    if "search" in allocation:              # search starts from probe_select's choice and moves ranks
+        s = allocation["search"]
+        label += f" (from {s['start']}, {sum(r['moves'] for r in s['rounds'])} moves)"
+    elif allocation.get("selected"):        # probe_select names the allocator it chose
         label += f" (chose {allocation['selected']})"
     elif "key_weight" in allocation:
         label += f" (key weight {allocation['key_weight']:g})"
