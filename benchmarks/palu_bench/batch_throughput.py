@@ -9,7 +9,8 @@ memory budget, the largest batch each method's cache fits and its throughput (is
 
 Prompts are windows of `text` (a few hundred tokens apart) of different lengths (the longest
 `length` tokens, the shortest 7/8 of it), so every batch is left-padded. Every path generates
-`new_tokens` greedily with EOS switched off (the same work for every row and path). Batch 1 is
+`new_tokens` greedily with EOS switched off; `fp16` decodes through a CUDA graph on a GPU
+(`palu.eval.static_decode`), `fp16-eager` through the eager loop it replaced (the same work for every row and path). Batch 1 is
 timed over `ones` prompts one at a time; each other size over one batch of that many prompts.
 The share of answers that differ between batch 1 and the batch of `agree_batch` (the same
 prompts) is reported per method: fp16 reductions can flip an argmax. The JSON is rewritten after
@@ -29,6 +30,7 @@ import torch
 
 METHODS = {
     "fp16": {"name": "fp16"},
+    "fp16-eager": {"name": "fp16", "eager": True},   # the eager decode loop (PALU_STATIC_DECODE=0)
     "palu50-b16": {"name": "palu", "bits": 16},
     "palu50-b4": {"name": "palu", "bits": 4},
     "atom-b4": {"name": "atom", "bits": 4},
@@ -43,7 +45,8 @@ DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquan
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,
             "agree_batch": 64, "budget_gib": 4.0, "budget_methods": ["fp16", "palu50-b4"],
             "references": ["dynamic", "static"], "time_limit": 480.0, "device": "cuda",
-            "dtype": "float16", "model": None, "text": None, "calib_windows": 16}
+            "dtype": "float16", "model": None, "text": None, "calib_windows": 16,
+            "method_batches": {}, "reference_batches": None}   # default: 1 and the largest batch   # method -> its own batch sizes (default: `batches`)
 
 
 class Run:
@@ -160,7 +163,7 @@ def _checkpoint(model, windows, folder: str) -> str:
 
 def _method(model, name, ckpt):
     from palu.methods import build_method
-    conf = dict(METHODS[name])
+    conf = {k: v for k, v in METHODS[name].items() if k != "eager"}
     if conf["name"].startswith("palu"):
         conf["checkpoint"] = ckpt
     method = build_method(conf)
@@ -172,8 +175,9 @@ def _method(model, name, ckpt):
 def measure_method(run, model, tok, name, ckpt, prompts, args):
     device, new = args["device"], args["new_tokens"]
     method, m = _method(model, name, ckpt)
+    os.environ["PALU_STATIC_DECODE"] = "0" if METHODS[name].get("eager") else "1"
     ones = None
-    for batch in args["batches"]:
+    for batch in args["method_batches"].get(name, args["batches"]):
         if run.left() < 30:
             run.skip(f"{name} batch {batch}")
             continue
@@ -205,6 +209,7 @@ def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
         run.skip(f"budget {name}")
         return
     method, m = _method(model, name, ckpt)
+    os.environ["PALU_STATIC_DECODE"] = "0" if METHODS[name].get("eager") else "1"
     chosen = prompts[:min(batch, len(prompts))]
     _peak_reset(device)
     try:
@@ -247,7 +252,8 @@ def main(argv: list[str]) -> None:
     model.generation_config.eos_token_id = None       # every row generates new_tokens
     with open(args["text"], encoding="utf-8") as fh:
         ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
-    count = max(max(args["batches"]), args["ones"], args["agree_batch"])
+    count = max(max(args["batches"]), *[max(b) for b in args["method_batches"].values()], args["ones"],
+                args["agree_batch"])
     fits_fp16 = None
     with tempfile.TemporaryDirectory() as tmp:
         windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
@@ -260,7 +266,7 @@ def main(argv: list[str]) -> None:
             if rows:
                 per_prompt[name] = max(r["kv_bytes_per_prompt"] for r in rows)
         for kind in args["references"]:
-            for batch in (1, max(args["batches"])):
+            for batch in args["reference_batches"] or (1, max(args["batches"])):
                 if run.left() < 60:
                     run.skip(f"transformers {kind} batch {batch}")
                     continue

@@ -15,6 +15,7 @@ import logging
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
+from . import static_decode
 from .journal import current as current_journal
 
 log = logging.getLogger(__name__)
@@ -133,10 +134,22 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     stop = eos_ids(model)
     if not plain_greedy(model):
         return _generate_with_transformers(model, tokenizer, method, prompts, max_new_tokens, ids, mask, pad, stop)
+    if static_decode.enabled() and device.type == "cuda" and static_decode.unsupported(model, method) is None:
+        return _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
     cache = DynamicCache() if method is None else method.make_cache(model)
     rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
                                        None if method is None else _RowBytesNow(method, cache, prompts))
     return [(tokenizer.decode(new, skip_special_tokens=True), n) for new, n in rows]
+
+
+def _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
+    """The plain model / FP16 on a GPU: a preallocated cache, the decode step a CUDA graph
+    (`static_decode`); bytes as the dynamic cache counts them (a row's tokens, not the spare room)."""
+    new, cache = static_decode.greedy_static(model, ids, mask, max_new_tokens, stop)
+    held = None if method is None else method.cache_nbytes(cache)
+    total = ids.shape[1] + max_new_tokens
+    return [(tokenizer.decode(n, skip_special_tokens=True),
+             _row_bytes(held, len(p) + len(n) - 1, len(prompts), total, method)) for p, n in zip(prompts, new)]
 
 
 # generation-config settings that change greedy decoding's choice (transformers applies them in

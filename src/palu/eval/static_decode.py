@@ -1,0 +1,207 @@
+"""Greedy decoding of a left-padded batch through a preallocated cache whose decode step is
+captured once as a CUDA graph and replayed (issue 49, item 4): the plain model / FP16 path.
+
+Why: on the H200 host an eager decode step of the 30-layer SmolLM2 costs ~90 ms of Python and
+kernel launches at any batch size, so a batch of 128 spends ~6 s of its ~8 s launching kernels.
+A replayed graph launches the whole step at once. What makes the step capturable:
+  - transformers' `StaticCache` (keys / values preallocated for prompt + answer, written in place
+    at a device-side counter);
+  - a mask built here, preallocated at full length, whose next column is opened on the device;
+  - the step's inputs (token, position, cache position) advanced on the device, inside the graph;
+  - one host read a step (the new tokens), as the eager loop.
+A decode step attends through `grouped_decode_attention`: the query heads of one KV head as one
+SDPA call, so the keys and values are read once instead of copied per query head (transformers
+repeats them whenever a mask is given).
+
+Rows that end stay in the batch (the graph has one shape); their later tokens are dropped. Where
+the model or method does not fit (`unsupported`) the caller keeps the eager loop; where capture
+fails, the same static step runs eagerly (logged once). The eager static step is what the CPU
+tests compare with the dynamic-cache loop in float64.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+IMPLEMENTATION = "palu_static"   # the attention implementation name registered below
+# families whose attention hands the interface plain (query, key, value, mask, scaling): tested
+# in tests/unit/test_static_decode.py against the eager loop
+FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"}
+_warned: set[str] = set()
+
+
+def enabled() -> bool:
+    """Off with PALU_STATIC_DECODE=0 (the eager loop then serves every batch, as before)."""
+    return os.environ.get("PALU_STATIC_DECODE", "1") != "0"
+
+
+def unsupported(model, method) -> str | None:
+    """Why this path cannot serve `model` with `method`, or None when it can."""
+    if method is not None and getattr(method, "name", None) != "fp16":
+        return f"method {getattr(method, 'name', method)!r} has its own cache"
+    cfg = model.config
+    if cfg.get_text_config(decoder=True) is not cfg:
+        return "a composite config (its text model's attention is configured apart)"
+    if cfg.model_type not in FAMILIES:
+        return f"model type {cfg.model_type!r} (not among {sorted(FAMILIES)})"
+    if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return f"layer types {sorted(set(cfg.layer_types))} (a sliding window needs its own mask)"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return f"sliding_window={cfg.sliding_window} (a sliding window needs its own mask)"
+    if cfg._attn_implementation not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation!r}"
+    return None
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                             **kwargs):
+    """One query token: each KV head's query heads attend as one group, the keys and values read
+    once (`repeat_kv` would copy them per query head every step). Longer queries (the prefill)
+    go to the implementation the model was loaded with, keys cut to the mask's width."""
+    B, H, q, D = query.shape
+    if q > 1 or attention_mask is None:
+        import sys
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
+            key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
+        inner = (sdpa_attention_forward if module.config._palu_static_inner == "sdpa"
+                 else sys.modules[type(module).__module__].eager_attention_forward)   # the family's own
+        return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kv = key.shape[1]
+    mask = attention_mask
+    if mask.dtype != torch.bool:   # additive (eager models): SDPA adds it as it is
+        mask = mask.to(query.dtype)
+    out = F.scaled_dot_product_attention(query.view(B, kv, H // kv, D), key, value, attn_mask=mask,
+                                         scale=scaling)
+    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(IMPLEMENTATION, grouped_decode_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)   # unused: masks come built
+
+
+_register()
+
+
+@contextlib.contextmanager
+def _attending_grouped(model):
+    cfg = model.config
+    inner = cfg._attn_implementation
+    cfg._palu_static_inner = inner
+    cfg._attn_implementation = IMPLEMENTATION
+    try:
+        yield inner
+    finally:
+        cfg._attn_implementation = inner
+        del cfg._palu_static_inner
+
+
+class _Step:
+    """One decode step in place on fixed tensors: open the input token's mask column, run the
+    model, take the argmax into `tok`, advance the inputs. Capturable: no host reads."""
+
+    def __init__(self, model, cache, first, pos, width: int, mask, opened):
+        self.model, self.cache, self.mask, self.opened = model, cache, mask, opened
+        self.x = first[:, None].clone()
+        self.pos = pos.clone()
+        self.cpos = torch.tensor([width], device=first.device)
+        self.tok = first.clone()
+        self.logits = None
+
+    def __call__(self) -> None:
+        self.mask.index_fill_(3, self.cpos, self.opened)
+        logits = self.model(input_ids=self.x, attention_mask=self.mask, position_ids=self.pos,
+                            past_key_values=self.cache, cache_position=self.cpos, use_cache=True,
+                            logits_to_keep=1).logits[:, -1]
+        self.logits = logits
+        self.tok.copy_(logits.argmax(-1))
+        self.x.copy_(self.tok[:, None])
+        self.pos.add_(1)
+        self.cpos.add_(1)
+
+
+def _capture(step: _Step):
+    """The step as a CUDA graph, after one eager run of it on a side stream (the real next step:
+    lazy cuBLAS / allocator set-up happens there, not in the capture). None where capture fails."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager_logits = step.logits
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as err:   # noqa: BLE001 - any capture failure falls back to eager steps
+        if type(err).__name__ not in _warned:
+            _warned.add(type(err).__name__)
+            log.warning("CUDA graph capture of the decode step failed (%s: %s); decoding eagerly",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        torch.cuda.synchronize()
+        step.logits = eager_logits
+        return None
+    return graph
+
+
+@torch.no_grad()
+def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool | None = None,
+                  trace: list | None = None):
+    """Each row's new tokens (cut after its first stop token) and the static cache, for a
+    left-padded batch `ids` (B, width) with padding `mask` (None: unpadded). `graph`: capture the
+    decode step (default: on a GPU). `trace`: gets each step's logits (tests)."""
+    from transformers import StaticCache
+    B, width = ids.shape
+    device = ids.device
+    total = width + max_new_tokens
+    valid = torch.ones(B, width, dtype=torch.bool, device=device) if mask is None else mask.bool()
+    pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+    graph = device.type == "cuda" if graph is None else graph
+    cache = StaticCache(config=model.config, max_cache_len=total)
+    with _attending_grouped(model) as inner:
+        sdpa = inner == "sdpa"
+        dtype = next(model.parameters()).dtype
+        closed, opened = (False, True) if sdpa else (torch.finfo(dtype).min, 0.0)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        allowed = causal[None] & valid[:, None, :]
+        allowed |= torch.eye(width, dtype=torch.bool, device=device)[None]   # a pad attends itself: no empty row
+        pre = allowed[:, None] if sdpa else torch.zeros(allowed[:, None].shape, dtype=dtype, device=device
+                                                         ).masked_fill(~allowed[:, None], closed)
+        logits = model(input_ids=ids, attention_mask=pre, position_ids=pos, past_key_values=cache,
+                       cache_position=torch.arange(width, device=device), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        del pre, allowed
+        if trace is not None:
+            trace.append(logits)
+        decode_mask = torch.full((B, 1, 1, total), closed, dtype=torch.bool if sdpa else dtype, device=device)
+        decode_mask[:, 0, 0, :width].masked_fill_(valid, opened)
+        first = logits.argmax(-1)
+        new = [[t] for t in first.tolist()]
+        done = [t in stop for t, in new]
+        step = _Step(model, cache, first, pos[:, -1:] + 1, width, decode_mask, opened)
+        replay = None
+        for k in range(1, max_new_tokens):
+            if all(done):
+                break
+            if replay is None and graph and k == 1:
+                captured = _capture(step)   # runs step k eagerly first
+                replay = captured.replay if captured is not None else step
+            elif replay is None:
+                step()
+            else:
+                replay()
+            if trace is not None:
+                trace.append(step.logits.clone())
+            for r, t in enumerate(step.tok.tolist()):
+                if not done[r]:
+                    new[r].append(t)
+                    done[r] = t in stop
+    return new, cache

@@ -1,0 +1,111 @@
+"""The static-cache decode path (`palu.eval.static_decode`, issue 49 item 4): on the CPU its
+decode step runs eagerly on the same preallocated tensors a GPU captures as a CUDA graph, so these
+float64 tests pin what the graph replays. Reference: transformers' `generate` (its dynamic cache
+and mask) and the project's eager loop, on left-padded batches of prompts of different lengths."""
+import copy
+
+import pytest
+import torch
+
+from palu.eval import generation, static_decode
+from palu.methods import build_method
+
+from tiny import tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_qwen3
+
+PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
+PAD = 0
+
+
+def _batch(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def _model(family: str, attn: str):
+    model = {"llama": tiny_llama, "qwen3": tiny_qwen3}[family](0).double()
+    model.config._attn_implementation = attn
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_generate(family, attn):
+    """Each row, every step's logits within 1e-9 of the model run once over that prompt and its
+    answer alone, no cache and no padding (the unfactorised reference), and the same tokens as
+    transformers' `generate` on the prompt alone. The reference runs SDPA: transformers' eager
+    attention takes its softmax in float32 (2e-8 from SDPA in float64), so an eager model's prefill,
+    which runs eager attention here too, is held to 1e-6; its decode steps attend through SDPA."""
+    model = _model(family, attn)
+    tol = 1e-9 if attn == "sdpa" else 1e-6
+    ids, mask = _batch(PROMPTS)
+    trace = []
+    new, _ = static_decode.greedy_static(model, ids, mask, 6, set(), graph=False, trace=trace)
+    assert len(trace) == 6
+    for row, prompt in enumerate(PROMPTS):
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=PAD)
+        assert new[row] == alone[0, len(prompt):].tolist()
+        exact = copy.deepcopy(model)
+        exact.config._attn_implementation = "sdpa"
+        with torch.no_grad():
+            once = exact(torch.tensor([prompt + new[row]])).logits[0, len(prompt) - 1:]
+        for k, ours in enumerate(trace):
+            assert (ours[row] - once[k]).abs().max().item() < tol, f"row {row} step {k}"
+    assert model.config._attn_implementation == attn   # restored
+    assert not hasattr(model.config, "_palu_static_inner")
+
+
+def test_an_unpadded_batch_and_batch_one():
+    model = _model("llama", "sdpa")
+    for prompts in ([PROMPTS[1]], [PROMPTS[0], PROMPTS[0][::-1]]):
+        ids = torch.tensor(prompts)
+        ref = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+        new, _ = static_decode.greedy_static(model, ids, None, 5, set(), graph=False)
+        assert new == ref[:, ids.shape[1]:].tolist()
+
+
+def test_rows_stop_at_their_first_stop_token_as_in_the_eager_loop():
+    model = _model("llama", "sdpa")
+    ids, mask = _batch(PROMPTS)
+    free, _ = static_decode.greedy_static(model, ids, mask, 8, set(), graph=False)
+    stop = {free[1][2], free[2][0]}   # row 1 ends at its third token, row 2 at its first
+    new, _ = static_decode.greedy_static(model, ids, mask, 8, stop, graph=False)
+    eager = generation._decode_dropping_ended_rows(model, generation.DynamicCache(), ids, mask, 8, stop)
+    assert new == [n for n, _ in eager]
+    assert len(new[2]) == 1 and len(new[1]) <= 3
+
+
+def test_answers_and_bytes_equal_the_eager_loops_for_fp16():
+    model = _model("llama", "sdpa")
+    method = build_method({"name": "fp16"})
+
+    class Tok:
+        pad_token_id, eos_token_id = PAD, None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    ids, mask = _batch(PROMPTS)
+    ours = generation._generate_static(model, Tok(), method, PROMPTS, 5, ids, mask, set())
+    eager = generation._generate(model, Tok(), method, PROMPTS, 5)   # the CPU takes the eager loop
+    assert ours == eager
+
+
+def test_who_it_serves():
+    llama = _model("llama", "sdpa")
+    assert static_decode.unsupported(llama, None) is None
+    assert static_decode.unsupported(llama, build_method({"name": "fp16"})) is None
+    assert "own cache" in static_decode.unsupported(llama, build_method({"name": "snapkv", "compression_ratio": 0.5}))
+    assert "sliding" in static_decode.unsupported(tiny_mistral_sliding(0), None)
+    assert static_decode.unsupported(tiny_gemma3(0), None) is not None
+    flash = copy.deepcopy(llama)
+    flash.config._attn_implementation = "flex_attention"
+    assert "flex_attention" in static_decode.unsupported(flash, None)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("PALU_STATIC_DECODE", "0")
+    assert not static_decode.enabled()
+    monkeypatch.setenv("PALU_STATIC_DECODE", "1")
+    assert static_decode.enabled()
