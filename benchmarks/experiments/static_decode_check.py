@@ -1,7 +1,8 @@
 """The CUDA-graph decode path (`palu.eval.static_decode`) on a GPU with the real model: the graph's
-replayed steps against the same static step run eagerly (logits), and against the eager
-dynamic-cache loop every other method uses (tokens), in float32 and float16; then where the time
-of one batch goes (prefill vs decode) on each path. Writes OUT/static-decode-check.json.
+replayed steps against the same static step run eagerly (logits), its dense decode kernel against
+SDPA's masked kernel (logits, tokens), and against the eager dynamic-cache loop every other method
+uses (tokens), in float32 and float16; then where the time of one batch goes (prefill vs decode)
+on each path. Writes OUT/static-decode-check.json.
 
   python benchmarks/experiments/static_decode_check.py OUT_DIR MODEL TEXT [batch=128] [length=4032]
 """
@@ -59,15 +60,24 @@ def main(out_dir, model_path, text_path, *opts):
         model.generation_config.eos_token_id = None
         ids_all = tok(open(text_path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
         ids, mask = _batch(_prompts(ids_all, 16, 1024), tok.pad_token_id or 0, "cuda")
-        g_trace, e_trace = [], []
-        g_new, _ = static_decode.greedy_static(model, ids, mask, 24, set(), graph=True, trace=g_trace)
-        e_new, _ = static_decode.greedy_static(model, ids, mask, 24, set(), graph=False, trace=e_trace)
+        runs = {}
+        for name, graph, kernel in (("graph", True, "1"), ("static-eager", False, "1"), ("graph-sdpa", True, "0")):
+            os.environ["PALU_DENSE_DECODE"] = kernel
+            trace = []
+            new, _ = static_decode.greedy_static(model, ids, mask, 24, set(), graph=graph, trace=trace)
+            runs[name] = (new, trace)
+        os.environ["PALU_DENSE_DECODE"] = "1"
         d_new = _eager(model, ids, mask, 24)
-        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(g_trace, e_trace))
+        g_new, g_trace = runs["graph"]
+
+        def diff(name):
+            return max((a.float() - b.float()).abs().max().item() for a, b in zip(g_trace, runs[name][1]))
         result["checks"].append({
             "dtype": dtype, "rows": len(g_new), "new_tokens": 24,
-            "graph_vs_eager_static_max_logit_diff": diff,
-            "graph_vs_eager_static_rows_equal": sum(a == b for a, b in zip(g_new, e_new)),
+            "graph_vs_same_step_eager_max_logit_diff": diff("static-eager"),
+            "graph_vs_same_step_eager_rows_equal": sum(a == b for a, b in zip(g_new, runs["static-eager"][0])),
+            "kernel_vs_sdpa_decode_max_logit_diff": diff("graph-sdpa"),
+            "kernel_vs_sdpa_decode_rows_equal": sum(a == b for a, b in zip(g_new, runs["graph-sdpa"][0])),
             "graph_vs_dynamic_loop_rows_equal": sum(a == b for a, b in zip(g_new, d_new)),
             "first_differing_step_vs_dynamic": [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
                                                 for a, b in zip(g_new, d_new)]})
@@ -75,11 +85,15 @@ def main(out_dir, model_path, text_path, *opts):
         save()
         if dtype == "float16":
             ids, mask = _batch(_prompts(ids_all, args["batch"], args["length"]), tok.pad_token_id or 0, "cuda")
-            paths = {"graph": lambda n: static_decode.greedy_static(model, ids, mask, n, set(), graph=True),
-                     "static-eager": lambda n: static_decode.greedy_static(model, ids, mask, n, set(), graph=False),
-                     "dynamic-loop": lambda n: _eager(model, ids, mask, n)}
-            for name, fn in paths.items():
-                fn(2)   # warm-up: kernel selection, allocator growth
+            paths = {"graph": (True, "1"), "graph-sdpa": (True, "0"), "static-eager": (False, "1")}
+            for name, (graph, kernel) in paths.items():
+                os.environ["PALU_DENSE_DECODE"] = kernel
+
+                def fn(n):
+                    return static_decode.greedy_static(model, ids, mask, n, set(), graph=graph)[0]
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                fn(2)   # warm-up: kernel selection and compilation, allocator growth
                 pre, _ = _timed(lambda: fn(1))
                 full, _ = _timed(lambda: fn(args["new"]))
                 row = {"path": name, "batch": args["batch"], "prefill_s": pre, "total_s": full,
@@ -89,6 +103,7 @@ def main(out_dir, model_path, text_path, *opts):
                 result["timing"].append(row)
                 print(json.dumps(row), flush=True)
                 save()
+            os.environ["PALU_DENSE_DECODE"] = "1"
         del model
         torch.cuda.empty_cache()
     print(f"-> {path}")

@@ -6,12 +6,15 @@ kernel launches at any batch size, so a batch of 128 spends ~6 s of its ~8 s lau
 A replayed graph launches the whole step at once. What makes the step capturable:
   - transformers' `StaticCache` (keys / values preallocated for prompt + answer, written in place
     at a device-side counter);
-  - a mask built here, preallocated at full length, whose next column is opened on the device;
+  - the prefill runs the batch right-padded, so plain causal attention (SDPA's flash kernel, no
+    mask) keeps each row's tokens from its pads; the decode steps read a mask built here at full
+    length (each row's pad slots closed), whose next column is opened on the device;
   - the step's inputs (token, position, cache position) advanced on the device, inside the graph;
   - one host read a step (the new tokens), as the eager loop.
 A decode step attends through `grouped_decode_attention`: the query heads of one KV head as one
-SDPA call, so the keys and values are read once instead of copied per query head (transformers
-repeats them whenever a mask is given).
+tile, so the keys and values are read once instead of copied per query head (transformers repeats
+them whenever a mask is given); on a GPU through `palu_kernels.dense_decode` (split over the
+sequence; SDPA's masked kernel parallelises over rows and heads only), elsewhere through SDPA.
 
 Rows that end stay in the batch (the graph has one shape); their later tokens are dropped. Where
 the model or method does not fit (`unsupported`) the caller keeps the eager loop; where capture
@@ -61,31 +64,50 @@ def unsupported(model, method) -> str | None:
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                              **kwargs):
     """One query token: each KV head's query heads attend as one group, the keys and values read
-    once (`repeat_kv` would copy them per query head every step). Longer queries (the prefill)
-    go to the implementation the model was loaded with, keys cut to the mask's width."""
+    once (`repeat_kv` would copy them per query head every step). Longer queries are the
+    prefill of a right-padded batch (`greedy_static`): plain causal attention over the tokens
+    written so far, no mask, so SDPA takes its flash kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     B, H, q, D = query.shape
-    if q > 1 or attention_mask is None:
-        import sys
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
-            key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
-        inner = (sdpa_attention_forward if module.config._palu_static_inner == "sdpa"
-                 else sys.modules[type(module).__module__].eager_attention_forward)   # the family's own
-        return inner(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if q > 1:
+        if attention_mask is not None:
+            raise ValueError("the static decode path prefills right-padded batches without a mask")
+        kwargs.pop("is_causal", None)
+        return sdpa_attention_forward(module, query, key[:, :, :q], value[:, :, :q], None, dropout=dropout,
+                                      scaling=scaling, is_causal=True, **kwargs)
     kv = key.shape[1]
-    mask = attention_mask
-    if mask.dtype != torch.bool:   # additive (eager models): SDPA adds it as it is
-        mask = mask.to(query.dtype)
-    out = F.scaled_dot_product_attention(query.view(B, kv, H // kv, D), key, value, attn_mask=mask,
-                                         scale=scaling)
+    grouped = query.view(B, kv, H // kv, D)
+    kernel = _dense_decode_kernel(query)
+    if kernel is not None:
+        out = kernel(grouped, key, value, attention_mask, scaling if scaling is not None else D ** -0.5)
+    else:
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
+
+
+def _dense_decode_kernel(query):
+    """`palu_kernels.dense_decode` on a GPU (off with PALU_DENSE_DECODE=0, or where Triton or the
+    kernels package is missing: SDPA's masked kernel then)."""
+    if query.device.type != "cuda" or os.environ.get("PALU_DENSE_DECODE", "1") == "0":
+        return None
+    try:
+        from palu_kernels.dense_decode import dense_decode
+    except ImportError:
+        return None
+    return dense_decode
+
+
+def _no_mask(**kwargs):
+    """The mask transformers would build for a prefill here: none (causal attention over a
+    right-padded batch; the decode steps pass their own mask, which transformers passes on)."""
+    return None
 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
     AttentionInterface.register(IMPLEMENTATION, grouped_decode_attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)   # unused: masks come built
+    AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
 
 
 _register()
@@ -95,13 +117,11 @@ _register()
 def _attending_grouped(model):
     cfg = model.config
     inner = cfg._attn_implementation
-    cfg._palu_static_inner = inner
     cfg._attn_implementation = IMPLEMENTATION
     try:
-        yield inner
+        yield
     finally:
         cfg._attn_implementation = inner
-        del cfg._palu_static_inner
 
 
 class _Step:
@@ -130,7 +150,8 @@ class _Step:
 
 def _capture(step: _Step):
     """The step as a CUDA graph, after one eager run of it on a side stream (the real next step:
-    lazy cuBLAS / allocator set-up happens there, not in the capture). None where capture fails."""
+    lazy cuBLAS / allocator set-up happens there, not in the capture); a function replaying it.
+    None where capture fails. `step.logits` keeps the eager run's (the capture only records)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -149,51 +170,53 @@ def _capture(step: _Step):
         torch.cuda.synchronize()
         step.logits = eager_logits
         return None
-    return graph
+    replayed, step.logits = step.logits, eager_logits
+
+    def replay():
+        graph.replay()
+        step.logits = replayed
+    return replay
 
 
 @torch.no_grad()
 def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool | None = None,
                   trace: list | None = None):
-    """Each row's new tokens (cut after its first stop token) and the static cache, for a
-    left-padded batch `ids` (B, width) with padding `mask` (None: unpadded). `graph`: capture the
-    decode step (default: on a GPU). `trace`: gets each step's logits (tests)."""
+    """Each row's new tokens (cut after its first stop token) and the static cache, for a batch
+    `ids` (B, width) whose real tokens `mask` marks (None: all; left padding as `answer_batches`
+    pads). The prefill runs the rows right-padded (each row's tokens first, at positions 0, 1, ...,
+    its pads after them), so causal attention alone keeps every real token from the pads and no
+    mask is built; the decode steps then mask each row's pad slots. `graph`: capture the decode
+    step (default: on a GPU). `trace`: gets each step's logits (tests)."""
     from transformers import StaticCache
     B, width = ids.shape
     device = ids.device
     total = width + max_new_tokens
     valid = torch.ones(B, width, dtype=torch.bool, device=device) if mask is None else mask.bool()
-    pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+    lengths = valid.sum(-1)
+    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)   # real tokens first
+    ids = ids.gather(1, order)
     graph = device.type == "cuda" if graph is None else graph
     cache = StaticCache(config=model.config, max_cache_len=total)
-    with _attending_grouped(model) as inner:
-        sdpa = inner == "sdpa"
-        dtype = next(model.parameters()).dtype
-        closed, opened = (False, True) if sdpa else (torch.finfo(dtype).min, 0.0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        allowed = causal[None] & valid[:, None, :]
-        allowed |= torch.eye(width, dtype=torch.bool, device=device)[None]   # a pad attends itself: no empty row
-        pre = allowed[:, None] if sdpa else torch.zeros(allowed[:, None].shape, dtype=dtype, device=device
-                                                         ).masked_fill(~allowed[:, None], closed)
-        logits = model(input_ids=ids, attention_mask=pre, position_ids=pos, past_key_values=cache,
-                       cache_position=torch.arange(width, device=device), use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
-        del pre, allowed
+    with _attending_grouped(model):
+        steps = torch.arange(width, device=device)
+        hidden = model.get_decoder()(input_ids=ids, position_ids=steps.expand(B, -1), past_key_values=cache,
+                                     cache_position=steps, use_cache=True).last_hidden_state
+        logits = model.get_output_embeddings()(hidden[torch.arange(B, device=device), lengths - 1])
+        del hidden
         if trace is not None:
             trace.append(logits)
-        decode_mask = torch.full((B, 1, 1, total), closed, dtype=torch.bool if sdpa else dtype, device=device)
-        decode_mask[:, 0, 0, :width].masked_fill_(valid, opened)
+        decode_mask = torch.zeros(B, 1, 1, total, dtype=torch.bool, device=device)
+        decode_mask[:, 0, 0, :width] = steps < lengths[:, None]
         first = logits.argmax(-1)
         new = [[t] for t in first.tolist()]
         done = [t in stop for t, in new]
-        step = _Step(model, cache, first, pos[:, -1:] + 1, width, decode_mask, opened)
+        step = _Step(model, cache, first, lengths[:, None].clone(), width, decode_mask, True)
         replay = None
         for k in range(1, max_new_tokens):
             if all(done):
                 break
             if replay is None and graph and k == 1:
-                captured = _capture(step)   # runs step k eagerly first
-                replay = captured.replay if captured is not None else step
+                replay = _capture(step) or step   # runs step k eagerly first
             elif replay is None:
                 step()
             else:
