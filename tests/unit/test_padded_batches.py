@@ -222,3 +222,36 @@ def test_a_row_leaves_the_batch_at_its_stop_token_and_answers_as_generate(base, 
     assert sizes[0] == 3 and min(sizes) < 3, sizes            # row 0 left the batch
     monkeypatch.setattr(generation, "plain_greedy", lambda model: False)
     assert ours == answer_batches(model, Tok(), method, PROMPTS, 8, batch_size=3), variant
+
+
+class _OnTheGPU(torch.Tensor):
+    """Row indices as a GPU run hands them to a cache (`_decode_dropping_ended_rows`, beam
+    search): indexing a tensor with them fails, as a CUDA index does a host-side CPU tensor, until
+    they are moved to that tensor's device."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__getitem__, torch.Tensor.index_select):
+            raise RuntimeError("indices should be either on cpu or on the same device as the indexed tensor (cpu)")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else out
+
+
+def test_row_edits_move_the_indices_to_each_tensors_device():
+    """Seen on the H200 (2026-12-04): SnapKV, TOVA, Quest and KIVI-4 failed their long-context jobs
+    when a finished row left the batch, since their host-side row lists were indexed with the
+    CUDA index. Every per-row map of the row-edit protocol now takes `indices.to(t.device)`."""
+    from palu.cache.protocol import RowEdits
+
+    class Rows(RowEdits):
+        def __init__(self):
+            self.host = torch.arange(4.)
+
+        def _map_rows(self, fn):
+            self.host = fn(self.host)
+    rows = Rows()
+    rows.batch_select_indices(torch.tensor([2, 0]).as_subclass(_OnTheGPU))
+    assert rows.host.tolist() == [2.0, 0.0]
+    rows.reorder_cache(torch.tensor([1, 1]).as_subclass(_OnTheGPU))
+    assert rows.host.tolist() == [0.0, 0.0]

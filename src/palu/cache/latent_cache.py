@@ -275,7 +275,7 @@ class LatentLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_extras(lambda t: t[indices])
+        self._map_extras(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)

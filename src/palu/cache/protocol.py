@@ -146,4 +146,5 @@ class RowEdits:
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices) -> None:
-        self._map_rows(lambda t: t[indices])
+        # the indices come on the model's device; host-side row lists index CPU tensors
+        self._map_rows(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
