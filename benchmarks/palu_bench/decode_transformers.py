@@ -27,7 +27,7 @@ from palu.attention.install import install_palu, set_backend
 from palu.cache.graph_cache import GraphLatentCache
 from palu.cache.latent_cache import LatentCache
 from palu.decompose.factors import LayerFactors
-from palu.generation import CapturedStep, GraphDecoder
+from palu.graph_decoding import CapturedStep, GraphDecoder
 from .bench_decoder import DecoderShape, PaluSpec
 
 

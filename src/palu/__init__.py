@@ -13,7 +13,7 @@ from .decompose.checkpoint import load_compressed
 from .decompose.ranks import allocate
 from .eval.perplexity import perplexity
 from .eval.runner import evaluate_corpus, evaluate_text
-from .generation import GraphDecoder
+from .graph_decoding import GraphDecoder
 from .methods import CacheMethod, build_method
 from .models.adapters import geometry_of
 from .models.loading import load_model

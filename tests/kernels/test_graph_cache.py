@@ -6,7 +6,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import palu
 from palu.quant.packed import QuantLatent
 from palu.attention.install import set_backend
-from palu.generation import GraphDecoder, bucket_tokens
+from palu.graph_decoding import GraphDecoder, bucket_tokens
 from tiny import tiny_llama, tiny_opt, tiny_qwen2
 
 

@@ -6,7 +6,7 @@ of Python per token (measured; benchmarks/NOTES.md). `GraphLatentCache` allocate
 slots per layer once, in the kernels' layout (`src/palu/quant/packed.py`: [batch, groups, tokens, rank],
 packed along the rank when quantised), and writes token i at slot i with device-side indices
 (`position_ids`). Nothing it does in a one-token step reads a device value on the host, so
-`palu.generation.GraphDecoder` captures the whole model step as one CUDA graph and replays it.
+`palu.graph_decoding.GraphDecoder` captures the whole model step as one CUDA graph and replays it.
 
 The kernels read the first `view_tokens` slots (a host number fixed per captured graph, rounded
 up from the real length by the decoder) and mask by `lengths` (device, = last position + 1).
