@@ -92,6 +92,14 @@ def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
     assert frame.loc[["fp16", "u5", "f5", "u3", "f3"], "reference2"].isna().all()
     text = to_markdown(build_table(paths, table="rank_allocation"), "t")
     assert "| p5 " in text.split("## Paired against the second reference")[1] and "worse" in text
+    assert "start" not in frame.columns and "search's start" not in text   # no search rows: as before
+    # the search against the probe_select choice it starts from (issue 53), and only the search
+    paths.append(palu_run("s5", "search", 0.5, [h + 0.15 * 128 for h in hard]))   # better than p5
+    frame = build_table(paths, table="rank_allocation").set_index("method")
+    assert frame.loc["s5", "start"] == "p5" and frame.loc["s5", "start_hi"] < 0
+    assert frame.loc[["fp16", "u5", "f5", "p5", "u3", "f3"], "start"].isna().all()
+    text = to_markdown(build_table(paths, table="rank_allocation"), "t")
+    assert "| s5 " in text.split("## Paired against the search's start")[1].split("## All")[0]
 
 
 def test_bits_and_rotations_are_paired_and_the_main_view_shows_each_interval(tmp_path):

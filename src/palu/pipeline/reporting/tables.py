@@ -120,8 +120,15 @@ SECOND_REFERENCES = {
     "rank_allocation": ("rank_method", "fisher", ["corpus", "kept_ratio_target", "group_size", "decomposition"],
                         ["uniform"]),
 }
+# ... and the searching allocator against the choice it starts from (issue 53): does the search
+# add anything to probe_select? (columns only where a table has search rows)
+START_REFERENCES = {
+    "rank_allocation": ("rank_method", "probe_select", ["corpus", "kept_ratio_target", "group_size", "decomposition"],
+                        "search"),
+}
 REF_COLUMNS = ["reference", "diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]
 REF2_COLUMNS = ["reference2", "diff_vs_ref2", "ref2_lo", "ref2_hi", "ref2_significant"]
+REF3_COLUMNS = ["start", "diff_vs_start", "start_lo", "start_hi", "start_significant"]
 
 
 def add_paired_vs_reference(frame: pd.DataFrame, blocks: list, column: str, value,
@@ -161,6 +168,12 @@ def build_table(paths: list[str], need_bytes: bool = False, table: str | None = 
     if table in SECOND_REFERENCES:
         column, value, match, skip = SECOND_REFERENCES[table]
         frame = add_paired_vs_reference(frame, blocks, column, value, match, skip, REF2_COLUMNS)
+    if table in START_REFERENCES:
+        column, value, match, only = START_REFERENCES[table]
+        others = [v for v in frame[column].unique() if v != only]
+        frame = add_paired_vs_reference(frame, blocks, column, value, match, others, REF3_COLUMNS)
+        if frame[REF3_COLUMNS[1]].isna().all():   # no search rows: the table as before
+            frame = frame.drop(columns=REF3_COLUMNS)
     key = ["model", "method", "corpus", "seqlen", "tokens", "dtype"]
     twice = frame[frame.duplicated(key, keep=False)]
     if len(twice):   # two settings under one label: a table would silently show one of them
@@ -181,8 +194,9 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
     if not intervals:
         shown = shown.drop(columns=["ppl_lo", "ppl_hi", "diff_vs_fp16", "diff_lo", "diff_hi", "significant"])
     paired = _paired_section(frame, REF_COLUMNS, "the reference variant") + \
-        _paired_section(frame, REF2_COLUMNS, "the second reference")
-    shown = shown.drop(columns=[c for c in REF_COLUMNS + REF2_COLUMNS if c in shown])
+        _paired_section(frame, REF2_COLUMNS, "the second reference") + \
+        _paired_section(frame, REF3_COLUMNS, "the search's start")
+    shown = shown.drop(columns=[c for c in REF_COLUMNS + REF2_COLUMNS + REF3_COLUMNS if c in shown])
     shown["kept_ratio_realised"] = shown["kept_ratio_realised"].map(lambda v: f"{v:.4f}")
     cells = frame.assign(cell=[_cell(r) for _, r in frame.iterrows()]) if intervals else frame
     pivot = cells.pivot_table(index=["method"], columns="corpus", values="cell" if intervals else "ppl",
@@ -203,8 +217,8 @@ def to_markdown(frame: pd.DataFrame, title: str) -> str:
 
 
 def _paired_section(frame: pd.DataFrame, columns: list[str], what: str) -> str:
-    """Each row against its reference variant (REFERENCES, SECOND_REFERENCES): better / worse
-    only where the 95% paired interval excludes 0."""
+    """Each row against its reference variant (REFERENCES, SECOND_REFERENCES, START_REFERENCES):
+    better / worse only where the 95% paired interval excludes 0."""
     name, diff, lo, hi, sig = columns
     if diff not in frame or frame[diff].isna().all():
         return ""
