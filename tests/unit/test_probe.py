@@ -105,9 +105,9 @@ def test_probe_select_keeps_the_candidate_with_the_lowest_probe_loss(setup):
     best = min(rows, key=lambda r: r["loss"])
     assert chosen["method"] == "probe_select" and chosen["selected"] == best["candidate"]
     method, _, weight = best["candidate"].partition("@k")
-    from palu.decompose.ranks import FISHER_KEY
+    from palu.decompose.ranks import get_allocator
     extra = {"key_weight": float(weight)} if weight else {}
-    again = allocate(geom, 0.5, 1, method, 2, None if method == "uniform" else stats[FISHER_KEY[method]],
+    again = allocate(geom, 0.5, 1, method, 2, None if method == "uniform" else stats[get_allocator(method).statistic],
                      spectra_of(svds), **extra)
     assert chosen["ranks"] == again["ranks"] and chosen["latent_size"] == again["latent_size"]
     for r in rows:       # the losses differ, so the choice is not a tie broken by order

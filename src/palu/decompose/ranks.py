@@ -86,7 +86,7 @@ class Allocator:
 
 
 # The one table of allocators: a new one is a module with its function(s) and
-# `register_allocator(name, Allocator(...))`, imported at the bottom of this file.
+# `register_allocator(name, Allocator(...))`, imported by the package's __init__.
 ALLOCATORS: dict[str, Allocator] = {}
 
 
@@ -330,11 +330,11 @@ register_allocator("fisher", Allocator("fisher", units=_proportional(1.0)))
 register_allocator("fisher_uniform", Allocator("fisher", units=_fisher_uniform))
 register_allocator("fisher_sqrt", Allocator("fisher", units=_proportional(0.5)))
 register_allocator("fisher_rms", Allocator("rms_fisher", units=_proportional(1.0)))
-# error_aware, probe_select (decompose/probe.py), error_aware_bytes (decompose/bit_alloc.py),
-# search (decompose/search.py)
-from . import probe, bit_alloc, search  # noqa: E402,F401  (registration)
+# error_aware, probe_select (decompose/probe.py), error_aware_bytes (decompose/bit_alloc.py) and
+# search (decompose/search.py) register themselves the same way; the package's __init__ imports
+# them after this file, so nothing here imports them back (no import circle).
 
-RANK_METHODS = tuple(ALLOCATORS)
-# which Fisher statistic each method weighs blocks by (probe_select reads them all)
-FISHER_KEY = {name: a.statistic for name, a in ALLOCATORS.items() if a.statistic not in (None, "all")}
-PROBED = tuple(name for name, a in ALLOCATORS.items() if a.probes)
+
+def rank_method_names() -> tuple[str, ...]:
+    """Every registered allocator's name (after `import palu.decompose`, which registers them all)."""
+    return tuple(ALLOCATORS)

@@ -11,7 +11,7 @@ one (`longcontext.suite=<name>`) and writes one result file named by the suite's
 
 Every answer is generated through the method's cache after the prompt is prefilled into it,
 `batch_size` prompts at a time (`generation.answer_batches`). Adding a suite: a module with its settings and `register_suite(Suite(...))`,
-and its import at the bottom of this file.
+and its import in `palu/eval/__init__.py`.
 """
 from __future__ import annotations
 
@@ -80,6 +80,3 @@ def local_files_tag(name: str, s, dtype: str) -> str:
     prompts = "" if not getattr(s, "prompts", None) else f"-p{short_hash(str(s.prompts))}"
     limit = "all" if s.limit is None else s.limit
     return f"{name}-{tasks}-n{limit}-L{s.max_length}-d{short_hash(str(s.dir))}{prompts}-{dtype}"
-
-# registration: each module registers its suite on import
-from . import needles, qasper, longbench, ruler, ruler_style  # noqa: E402,F401

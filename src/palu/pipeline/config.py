@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from palu.calib.fisher import FisherWindows
 from palu.data.windows import BOS_SETTINGS
 from palu.decompose.factors import DECOMPOSITIONS
-from palu.decompose.ranks import RANK_METHODS
+from palu.decompose.ranks import rank_method_names
 from palu.decompose.heads import HEAD_ORDERS
 from palu.decompose.rotation import ROTATIONS
 
@@ -171,7 +171,7 @@ class Config:
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _CHOICES = {
-    "palu.rank_method": RANK_METHODS,
+    "palu.rank_method": rank_method_names(),
     "palu.decomposition": DECOMPOSITIONS,
     "palu.rotation": ROTATIONS,
     "palu.head_order": HEAD_ORDERS,

@@ -233,16 +233,16 @@ def longcontext_path(results: str, model: str, run: str, tag: str) -> Path:
     return Path(results) / "longcontext" / model / run / f"{tag}.json"
 
 
-def longcontext_tag_of(cfg) -> str:
-    """The result name of the suite the config picks: the suite's own tag of its settings."""
+def longcontext_tag_of(cfg, settings) -> str:
+    """The result name of the suite the config picks: the suite's own tag of its `settings`
+    (`config.suite_settings(cfg)`; passed in, so naming imports nothing of the pipeline)."""
     from palu.eval.suites import get_suite
-    from palu.pipeline.config import suite_settings
-    return get_suite(cfg.longcontext.suite).tag(suite_settings(cfg), cfg.model.dtype)
+    return get_suite(cfg.longcontext.suite).tag(settings, cfg.model.dtype)
 
 
-def longcontext_path_of(cfg, method) -> Path:
+def longcontext_path_of(cfg, method, settings) -> Path:
     return longcontext_path(str(by_hand(cfg.paths.work)), cfg.model.name,
-                            run_name(method.tag, method.lineage()), longcontext_tag_of(cfg))
+                            run_name(method.tag, method.lineage()), longcontext_tag_of(cfg, settings))
 
 
 def log_path(work: str, model: str, step: str, name: str) -> Path:

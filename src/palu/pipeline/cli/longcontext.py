@@ -66,7 +66,7 @@ def run(cfg) -> dict:
     name = cfg.longcontext.suite
     suite, settings = get_suite(name), suite_settings(cfg)
     method = method_of(cfg)
-    out = cfg.out or str(naming.longcontext_path_of(cfg, method))
+    out = cfg.out or str(naming.longcontext_path_of(cfg, method, settings))
     path = model_path(cfg)
     limit = _max_positions(path)
     longest = suite.longest_prompt(settings)
