@@ -10,7 +10,8 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-from tiny import tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_qwen3
+from tiny import (tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_olmo2, tiny_phi3, tiny_qwen2,
+                  tiny_qwen3)
 
 PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
 PAD = 0
@@ -23,22 +24,32 @@ def _batch(prompts):
     return ids, mask
 
 
+def _mistral(seed):
+    return tiny_mistral_sliding(seed, window=None)   # Mistral without a window: full attention
+
+
+BUILDERS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "olmo2": tiny_olmo2,
+            "phi3": tiny_phi3, "mistral": _mistral}
+
+
 def _model(family: str, attn: str):
-    model = {"llama": tiny_llama, "qwen3": tiny_qwen3}[family](0).double()
+    model = BUILDERS[family](0).double()
     model.config._attn_implementation = attn
     model.generation_config.eos_token_id = None
     return model
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", sorted(static_decode.FAMILIES))
 def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_generate(family, attn):
     """Each row, every step's logits within 1e-9 of the model run once over that prompt and its
     answer alone, no cache and no padding (the unfactorised reference), and the same tokens as
     transformers' `generate` on the prompt alone. The reference runs SDPA: transformers' eager
     attention takes its softmax in float32 (2e-8 from SDPA in float64); the static path attends
     through SDPA for an eager model too (its prefill causal, its decode steps grouped)."""
+    assert family in BUILDERS, f"{family} is served by the static path: add a tiny model of it here"
     model = _model(family, attn)
+    assert static_decode.unsupported(model, None) is None
     tol = 1e-9
     ids, mask = _batch(PROMPTS)
     trace = []

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 IMPLEMENTATION = "palu_static"   # the attention implementation name registered below
 # families whose attention hands the interface plain (query, key, value, mask, scaling): tested
-# in tests/unit/test_static_decode.py against the eager loop
+# in tests/unit/test_static_decode.py (each against its prompts alone, float64)
 FAMILIES = {"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"}
 _warned: set[str] = set()
 
