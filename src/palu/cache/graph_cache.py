@@ -69,13 +69,21 @@ class GraphLatentLayer(CacheLayerMixin):
             for t in ((buf.data, buf.scale, buf.zero) if isinstance(buf, QuantLatent) else (buf,)):
                 t.zero_()
 
-    def write(self, hk: torch.Tensor, hv: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, hk: torch.Tensor, hv: torch.Tensor, slots: torch.Tensor, per_row: bool = False) -> None:
         """Latents hk (B, T, G*rank_k), hv (B, T, G*rank_v) to the contiguous slots
-        slots[0] .. slots[0]+T-1 (`slots`: a device tensor of T positions)."""
+        slots[0] .. slots[0]+T-1 (`slots`: a device tensor of T positions); `per_row`: one token
+        a row, row b's at slot slots[b] (a ragged batch, `GraphLatentCache.set_row_lengths`)."""
         B, T, _ = hk.shape
         for buf, h in ((self.keys, hk), (self.values, hv)):
             h = h.view(B, T, self.groups, -1).transpose(1, 2)              # (B, G, T, r)
-            if not isinstance(buf, QuantLatent):
+            if per_row:   # torch quantisation (bit for bit the kernel's), scattered row by row
+                rows = torch.arange(B, device=h.device)
+                pairs = ((buf, h.to(buf.dtype)),) if not isinstance(buf, QuantLatent) else \
+                    ((dst, src) for dst, src in zip((buf.data, buf.scale, buf.zero),
+                                                    _parts(quantize_latent(h, buf.bits))))
+                for dst, src in pairs:
+                    dst[rows, :, slots] = src[:, :, 0]
+            elif not isinstance(buf, QuantLatent):
                 buf.index_copy_(2, slots, h.to(buf.dtype))
             elif h.device.type == "cuda" or _interpreting():
                 from palu_kernels.quantize import quantize_into   # imports triton: only where it runs
@@ -88,6 +96,10 @@ class GraphLatentLayer(CacheLayerMixin):
     def view(self, tokens: int):
         """The first `tokens` slots of keys and values (views, no copy)."""
         return slot_range(self.keys, 0, tokens), slot_range(self.values, 0, tokens)
+
+
+def _parts(q: QuantLatent):
+    return q.data, q.scale, q.zero
 
 
 class _StoredSlots:
@@ -166,6 +178,22 @@ class GraphLatentCache(Cache):
         device = attn.A_k.device
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)    # last position + 1
         self.offsets = torch.zeros(batch, dtype=torch.int32, device=device)    # slot i = position i
+        # after a right-padded prefill (`set_row_lengths`) each row holds its own number of tokens
+        # and a one-token step writes each row's token at that row's next slot
+        self.ragged = False
+
+    def set_row_lengths(self, lengths: torch.Tensor) -> None:
+        """After a right-padded prefill: row b holds its `lengths[b]` tokens at slots 0, 1, ... (its
+        pads after them, never read: every row is masked by its length). Each later step then
+        takes one token a row, at that row's position = its length (`positions` (B, 1))."""
+        lengths = torch.as_tensor(lengths, device=self.lengths.device).to(self.lengths.dtype)
+        if tuple(lengths.shape) != (self.batch,):
+            raise ValueError(f"lengths of shape {tuple(lengths.shape)}, expected ({self.batch},)")
+        if not self.seen or bool((lengths < 1).any()) or bool((lengths > self.seen).any()):
+            raise ValueError(f"row lengths {lengths.tolist()} must lie in 1..{self.seen} (the tokens "
+                             "prefilled); prefill the right-padded batch first")
+        self.lengths.copy_(lengths)
+        self.ragged = True
 
     def update_latent(self, hk: torch.Tensor, hv: torch.Tensor, positions: torch.Tensor,
                       layer_idx: int) -> int:
@@ -178,8 +206,9 @@ class GraphLatentCache(Cache):
         if layer_idx == 0:
             if not capturing and self.view_tokens is None:
                 self._check_positions(positions, T)
-            self.lengths.copy_((positions[:, -1] + 1).expand(B))
-        self.layers[layer_idx].write(hk, hv, positions[0])
+            self.lengths.copy_((positions[:, -1] + 1).expand(B).to(self.lengths.dtype))
+        self.layers[layer_idx].write(hk, hv, positions[:, 0] if self.ragged else positions[0],
+                                     per_row=self.ragged)
         if self.view_tokens is not None:
             return self.view_tokens
         if capturing:
@@ -198,9 +227,16 @@ class GraphLatentCache(Cache):
         return _StoredSlots(self, layer_idx, S, hk.device)
 
     def _check_positions(self, positions: torch.Tensor, T: int) -> None:
-        """Eager steps only (a host sync): slots seen .. seen+T-1 in every row."""
+        """Eager steps only (a host sync): slots seen .. seen+T-1 in every row (ragged: one token
+        a row, at the row's length)."""
         if self.seen + T > self.max_tokens:
             raise ValueError(f"{self.seen} cached + {T} new tokens exceed max_tokens={self.max_tokens}")
+        if self.ragged:
+            if T != 1 or positions.shape[0] != self.batch or \
+                    not bool((positions[:, 0] == self.lengths.to(positions.dtype)).all()):
+                raise ValueError("a ragged GraphLatentCache takes one token a row at the row's "
+                                 f"length ({self.lengths.tolist()}); got positions {positions.tolist()}")
+            return
         want = torch.arange(self.seen, self.seen + T, device=positions.device)
         if positions.shape[-1] != T or not bool((positions == want).all()):
             raise ValueError(f"GraphLatentCache stores token i at slot i: positions must be "
@@ -225,6 +261,7 @@ class GraphLatentCache(Cache):
         super().reset()
         self.seen = 0
         self.lengths.zero_()
+        self.ragged = False
 
     def nbytes(self) -> int:
         """Bytes of every layer's slots (packed data, scales and zero points included)."""

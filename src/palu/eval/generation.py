@@ -136,6 +136,9 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
         return _generate_with_transformers(model, tokenizer, method, prompts, max_new_tokens, ids, mask, pad, stop)
     if static_decode.enabled() and device.type == "cuda" and static_decode.unsupported(model, method) is None:
         return _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
+    if static_decode.latent_enabled() and device.type == "cuda" and \
+            static_decode.latent_unsupported(model, method) is None:
+        return _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
     cache = DynamicCache() if method is None else method.make_cache(model)
     rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
                                        None if method is None else _RowBytesNow(method, cache, prompts))
@@ -150,6 +153,21 @@ def _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mas
     total = ids.shape[1] + max_new_tokens
     return [(tokenizer.decode(n, skip_special_tokens=True),
              _row_bytes(held, len(p) + len(n) - 1, len(prompts), total, method)) for p, n in zip(prompts, new)]
+
+
+def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
+    """Plain Palu on a GPU, opt-in (`static_decode.latent_enabled`): latents in preallocated
+    slots, each decode step a replayed CUDA graph; a row's bytes are what the method's own cache
+    holds for its tokens (`static_decode.latent_row_bytes`)."""
+    new, _ = static_decode.greedy_static_latent(model, method, ids, mask, max_new_tokens, stop)
+    held: dict[int, dict] = {}
+    out = []
+    for p, n in zip(prompts, new):
+        tokens = len(p) + len(n) - 1
+        if tokens not in held:
+            held[tokens] = static_decode.latent_row_bytes(method, model, tokens)
+        out.append((tokenizer.decode(n, skip_special_tokens=True), dict(held[tokens])))
+    return out
 
 
 # generation-config settings that change greedy decoding's choice (transformers applies them in

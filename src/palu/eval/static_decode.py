@@ -228,3 +228,108 @@ def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool 
                     new[r].append(t)
                     done[r] = t in stop
     return new, cache
+
+
+def latent_enabled() -> bool:
+    """Palu through `GraphLatentCache` and replayed steps: opt-in (PALU_STATIC_DECODE=palu) until
+    its graphs are checked on a GPU (`benchmarks/experiments/static_decode_check.py`)."""
+    return os.environ.get("PALU_STATIC_DECODE", "1") == "palu"
+
+
+def latent_unsupported(model, method) -> str | None:
+    """Why the latent graph path cannot serve `method` on `model`, or None."""
+    from ..methods.palu import Palu
+    if type(method) is not Palu:   # its compositions (selection, eviction) keep their own caches
+        return f"method {getattr(method, 'name', method)!r} is not plain Palu"
+    if getattr(method, "channel_group", None) is not None:
+        return "channel-grouped latent quantisation"
+    widths = method.layer_bits()
+    if isinstance(widths, list) and len(set(widths)) > 1:
+        return "mixed latent widths"
+    return None
+
+
+@torch.no_grad()
+def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: set,
+                         graph: bool | None = None, trace: list | None = None):
+    """`greedy_static` for Palu: the latents in a `GraphLatentCache` (preallocated slots, each
+    row masked by its own length), the batch prefilled right-padded, then one token a row a step
+    at the row's own slot, the step replayed as a CUDA graph per bucket of slots read
+    (`palu.graph_decoding`). Returns each row's new tokens and the cache."""
+    from ..cache.graph_cache import GraphLatentCache
+    from ..graph_decoding import CapturedStep, bucket_tokens
+    B, width = ids.shape
+    device = ids.device
+    valid = torch.ones(B, width, dtype=torch.bool, device=device) if mask is None else mask.bool()
+    lengths = valid.sum(-1)
+    ids = ids.gather(1, torch.argsort((~valid).to(torch.int8), dim=-1, stable=True))
+    graph = device.type == "cuda" if graph is None else graph
+    widths = method.layer_bits()
+    bits = widths[0] if isinstance(widths, list) else widths
+    cache = GraphLatentCache(model, max_tokens=width + max_new_tokens, batch=B, bits=bits)
+    steps = torch.arange(width, device=device)
+    hidden = model.get_decoder()(input_ids=ids, position_ids=steps.expand(B, -1), past_key_values=cache,
+                                 use_cache=True).last_hidden_state
+    logits = model.get_output_embeddings()(hidden[torch.arange(B, device=device), lengths - 1])
+    del hidden
+    if trace is not None:
+        trace.append(logits)
+    cache.set_row_lengths(lengths)
+    x = logits.argmax(-1)[:, None].clone()
+    pos = lengths[:, None].clone()
+    one = torch.ones(B, 1, 1, 1, dtype=torch.bool, device=device)   # passed through; rows masked by length
+    out = {}
+
+    def step():
+        out["logits"] = model(input_ids=x, position_ids=pos, attention_mask=one, past_key_values=cache,
+                              use_cache=True, logits_to_keep=1).logits[:, -1]
+        return out["logits"]
+    new = [[t] for t in x[:, 0].tolist()]
+    done = [t in stop for t, in new]
+    graphs: dict[int, object] = {}
+    for k in range(1, max_new_tokens):
+        if all(done):
+            break
+        if graph:
+            bucket = bucket_tokens(cache.seen + 1, cache.max_tokens)
+            if bucket not in graphs:
+                cache.view_tokens = bucket
+                try:   # the warm-up runs the step (repeatably: same slots, same inputs)
+                    graphs[bucket] = CapturedStep(step)
+                except Exception as err:   # noqa: BLE001 - any capture failure: eager steps
+                    log.warning("CUDA graph capture of the Palu decode step failed (%s); decoding eagerly", err)
+                    graph = False
+                finally:
+                    cache.view_tokens = None
+            if graph:
+                cache.view_tokens = bucket
+                logits = graphs[bucket]()
+                cache.view_tokens = None
+                cache.seen += 1
+        if not graph:
+            logits = step()
+        if trace is not None:
+            trace.append(logits.clone())
+        tok = logits.argmax(-1)
+        for r, t in enumerate(tok.tolist()):
+            if not done[r]:
+                new[r].append(t)
+                done[r] = t in stop
+        x.copy_(tok[:, None])
+        pos.add_(1)
+    return new, cache
+
+
+def latent_row_bytes(method, model, tokens: int) -> dict:
+    """What `method`'s own cache (`make_cache`, a LatentCache) holds for one row of `tokens`
+    tokens, counted by the method (`cache_nbytes`): the bytes a row of the eager path reports."""
+    from ..cache.protocol import check_latent_model
+    cache = method.make_cache(model)
+    for i, attn in sorted(check_latent_model(model, "latent_row_bytes").items()):
+        zeros = attn.A_k.new_zeros
+        cache.update_latent(zeros(1, tokens, sum(attn.ranks_k)), zeros(1, tokens, sum(attn.ranks_v)),
+                            torch.arange(tokens, device=attn.A_k.device)[None], i,
+                            ranks=(list(attn.ranks_k), list(attn.ranks_v)))
+    n = method.cache_nbytes(cache)
+    return {"stored": int(round(n["total"])), "read_per_step": int(round(n.get("read_per_step", n["total"]))),
+            "tokens": int(tokens)}

@@ -1,0 +1,120 @@
+"""Plain Palu through the preallocated `GraphLatentCache` on a padded batch
+(`palu.eval.static_decode.greedy_static_latent`, opt-in PALU_STATIC_DECODE=palu until a GPU run
+checks its graphs). On the CPU the decode step runs eagerly on the tensors a GPU would capture, so
+these float64 tests pin what the graph replays: the batch prefilled right-padded, then one token
+a row at the row's own slot, each row masked by its own length. Reference: each prompt alone
+through the method's own `LatentCache`, token by token in float64 (transformers' `generate` hands
+its logits over in float32, so it checks the tokens only); tests/unit/test_padded_batches.py holds
+that cache exact against the left-padded eager loop."""
+import copy
+
+import pytest
+import torch
+
+from palu.eval import generation, static_decode
+from palu.methods import build_method
+
+PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
+PAD = 0
+
+
+def _batch(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@torch.no_grad()
+def _alone(model, method, prompt, n):
+    """The prompt alone through the method's own cache: its tokens and every step's logits."""
+    cache = method.make_cache(model)
+    logits = [model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(n - 1):
+        logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+def _palu(base, ckpt, bits, **extra):
+    method = build_method({"name": "palu", "checkpoint": ckpt, "bits": bits, **extra})
+    model = copy.deepcopy(base)
+    method.install(model)
+    model.generation_config.eos_token_id = None
+    return method, model
+
+
+@pytest.mark.parametrize("bits", [16, 4, 2])
+def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_the_latent_cache(
+        tiny_base, tiny_palu_checkpoint, bits):
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, bits)
+    assert static_decode.latent_unsupported(model, method) is None
+    ids, mask = _batch(PROMPTS)
+    trace = []
+    new, cache = static_decode.greedy_static_latent(model, method, ids, mask, 6, set(), graph=False, trace=trace)
+    assert len(trace) == 6 and cache.ragged
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = _alone(model, method, prompt, 6)
+        assert new[row] == tokens, (bits, row)
+        for k, ours in enumerate(trace):
+            diff = (ours[row] - logits[k]).abs().max().item()
+            assert diff < 1e-9, (bits, row, k, diff)
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                       pad_token_id=PAD, past_key_values=method.make_cache(model))
+        assert new[row] == generated[0, len(prompt):].tolist(), (bits, row)
+
+
+def test_answers_and_bytes_equal_the_eager_loops(tiny_base, tiny_palu_checkpoint):
+    """Through `generation`: each row's answer and the bytes its method's own cache holds, as
+    the eager loop (the CPU's route) reports them, and rows stop at their first stop token."""
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, 4)
+
+    class Tok:
+        pad_token_id, eos_token_id = PAD, None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    ids, mask = _batch(PROMPTS)
+    free, _ = static_decode.greedy_static_latent(model, method, ids, mask, 8, set(), graph=False)
+    for stop in (set(), {free[1][2], free[2][0]}):
+        model.generation_config.eos_token_id = sorted(stop) or None   # what the eager loop stops at
+        ours = generation._generate_static_latent(model, Tok(), method, PROMPTS, 8, ids, mask, stop)
+        assert ours == generation._generate(model, Tok(), method, PROMPTS, 8)   # the CPU's eager loop
+    lengths = [len(a.split()) for a, _ in ours]
+    assert lengths[1] <= 3 and lengths[2] == 1, lengths
+
+
+def test_who_it_serves(tiny_base, tiny_palu_checkpoint, monkeypatch):
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, 4)
+    assert static_decode.latent_unsupported(model, method) is None
+    snap = build_method({"name": "palu_snapkv", "checkpoint": tiny_palu_checkpoint, "bits": 4,
+                         "evict_ratio": 0.5, "evict_window": 2, "evict_kernel": 1})
+    assert "not plain Palu" in static_decode.latent_unsupported(model, snap)
+    assert "not plain Palu" in static_decode.latent_unsupported(model, build_method({"name": "fp16"}))
+    monkeypatch.setenv("PALU_STATIC_DECODE", "palu")
+    assert static_decode.latent_enabled() and static_decode.enabled()
+    monkeypatch.setenv("PALU_STATIC_DECODE", "1")
+    assert not static_decode.latent_enabled()
+
+
+def test_the_ragged_cache_refuses_a_step_at_the_wrong_slot(tiny_base, tiny_palu_checkpoint):
+    from palu.cache.graph_cache import GraphLatentCache
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, 16)
+    cache = GraphLatentCache(model, max_tokens=16, batch=2)
+    with pytest.raises(ValueError, match="prefill the right-padded batch first"):
+        cache.set_row_lengths(torch.tensor([3, 4]))
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0]]), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"must lie in 1..4"):
+        cache.set_row_lengths(torch.tensor([5, 2]))
+    with pytest.raises(ValueError, match=r"expected \(2,\)"):
+        cache.set_row_lengths(torch.tensor([4]))
+    cache.set_row_lengths(torch.tensor([4, 2]))
+    with pytest.raises(ValueError, match="one token a row at the row's length"):
+        model(torch.tensor([[1], [1]]), position_ids=torch.tensor([[4], [3]]), past_key_values=cache)
+    model(torch.tensor([[1], [1]]), position_ids=torch.tensor([[4], [2]]), past_key_values=cache)
+    assert cache.lengths.tolist() == [5, 3]
+    cache.reset()
+    assert not cache.ragged
