@@ -9,7 +9,7 @@ CORES  ?= 2
 # everything (the committed results/ otherwise count as up to date on a fresh clone).
 SNAKEFLAGS ?=
 
-.PHONY: run test test-fast test-cluster install install-gemma3 install-qwen25-coder-1.5b clean-work wheelhouse
+.PHONY: run test test-fast test-cluster install install-gemma3 install-qwen25-coder-1.5b clean-work wheelhouse gpu-parts
 
 install: $(STAMP)
 
@@ -83,3 +83,14 @@ WHEELHOUSE_HOST   ?= requirements/hosts/h200-cuda.txt
 
 wheelhouse: $(STAMP)
 	$(BIN)/python workflow/wheelhouse.py build $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) --host $(WHEELHOUSE_HOST)
+
+# The wheelhouse (and GPU_CARRY's other paths: journals, checkpoints) cut into parts of at most
+# GPU_PART_MIB for a host whose transfers are capped; on the host `workflow/gpu_host.sh` stages,
+# joins (sha256 checked) and installs them (README, "Run on a GPU host without internet").
+GPU_PARTS    ?= work/gpu-parts
+GPU_PART_MIB ?= 24
+GPU_CARRY    ?= $(WHEELHOUSE)
+
+gpu-parts: $(STAMP)
+	@test -e $(WHEELHOUSE)/wheelhouse.json || $(MAKE) wheelhouse
+	$(BIN)/python workflow/gpu_parts.py split $(GPU_PARTS) $(GPU_CARRY) --part-mib $(GPU_PART_MIB)

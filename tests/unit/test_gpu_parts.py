@@ -1,0 +1,100 @@
+"""Bundles cut into parts for a GPU host whose transfers are capped (workflow/gpu_parts.py):
+what arrives is what left, part by part and whole, and nothing lands outside the root."""
+import io
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "workflow"))
+import gpu_parts  # noqa: E402
+
+
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "checkout"
+    (root / "work" / "wheelhouse").mkdir(parents=True)
+    (root / "work" / "wheelhouse" / "a.whl").write_bytes(bytes(range(256)) * 300)
+    (root / "work" / "journal").mkdir()
+    (root / "work" / "journal" / "j.jsonl").write_text("{}\n" * 1000)
+    return root
+
+
+def test_split_stage_join_gives_back_every_file(src, tmp_path):
+    out = tmp_path / "parts"
+    m = gpu_parts.split(out, ["work/wheelhouse", "work/journal"], part_mib=0.02, root=src)
+    assert len(m["parts"]) > 3 and all(p["bytes"] <= 0.02 * 2**20 for p in m["parts"])
+    staged, host = tmp_path / "stage", tmp_path / "host"
+    host.mkdir()
+    for k in reversed(range(len(m["parts"]))):      # any order
+        gpu_parts.stage(out / f"p{k}", staged)
+    gpu_parts.join(staged, host)
+    assert _tree(host) == _tree(src)
+    gpu_parts.join(staged, host)                    # again: the same files are kept, no error
+    assert not (staged / "bundle.tar.tmp").exists()
+
+
+def test_a_bad_part_a_missing_part_or_other_content_is_refused(src, tmp_path):
+    out = tmp_path / "parts"
+    m = gpu_parts.split(out, ["work"], part_mib=0.02, root=src)
+    part = out / "p1" / m["parts"][1]["name"]
+    good = part.read_bytes()
+    part.write_bytes(b"x" + good[1:])
+    with pytest.raises(SystemExit, match="sha256 .* differs from the manifest"):
+        gpu_parts.stage(out / "p1", tmp_path / "s")
+    part.write_bytes(good)
+    gpu_parts.stage(out / "p0", tmp_path / "s")
+    with pytest.raises(SystemExit, match=r"parts \['part001'"):
+        gpu_parts.join(tmp_path / "s", tmp_path)
+    for k in range(1, len(m["parts"])):
+        gpu_parts.stage(out / f"p{k}", tmp_path / "s")
+    host = tmp_path / "host"
+    (host / "work" / "journal").mkdir(parents=True)
+    (host / "work" / "journal" / "j.jsonl").write_text("newer answers\n")
+    with pytest.raises(SystemExit, match="exists with other content"):
+        gpu_parts.join(tmp_path / "s", host)
+    assert (host / "work" / "journal" / "j.jsonl").read_text() == "newer answers\n"
+    other = gpu_parts.split(tmp_path / "other", ["work/journal"], part_mib=1, root=src)
+    assert other["bundle_sha256"] != m["bundle_sha256"]
+    with pytest.raises(SystemExit, match="parts of another bundle"):
+        gpu_parts.stage(tmp_path / "other" / "p0", tmp_path / "s")
+
+
+def test_paths_outside_the_checkout_and_a_used_folder_are_refused(src, tmp_path):
+    with pytest.raises(SystemExit, match="outside"):
+        gpu_parts.split(tmp_path / "a", ["../"], 1, root=src)
+    with pytest.raises(SystemExit, match="relative to the checkout"):
+        gpu_parts.split(tmp_path / "b", [str(src / "work")], 1, root=src)
+    with pytest.raises(SystemExit, match="no such file"):
+        gpu_parts.split(tmp_path / "c", ["work/nothing"], 1, root=src)
+    gpu_parts.split(tmp_path / "d", ["work"], 1, root=src)
+    with pytest.raises(SystemExit, match="not empty"):
+        gpu_parts.split(tmp_path / "d", ["work"], 1, root=src)
+
+
+def test_a_member_that_escapes_the_root_is_not_unpacked(tmp_path):
+    """A bundle made elsewhere (its manifest consistent) that names ../ is refused by the filter."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../escaped.txt")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"bad"))
+    data = buf.getvalue()
+    import hashlib
+    staged = tmp_path / "s"
+    staged.mkdir()
+    (staged / "part000").write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    (staged / "manifest.json").write_text(json.dumps({"bundle_sha256": sha, "bytes": len(data), "paths": [],
+                                                      "parts": [{"name": "part000", "bytes": len(data), "sha256": sha}]}))
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(tarfile.OutsideDestinationError):
+        gpu_parts.join(staged, root)
+    assert not (tmp_path / "escaped.txt").exists() and not (staged / "bundle.tar.tmp").exists()
