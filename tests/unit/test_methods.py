@@ -1,6 +1,7 @@
 """Every registered method is a `method` option of the config (its fields and their defaults, as
 `palu.pipeline.config.method_defaults` stores them) and builds from it; bad method configs are named."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,36 @@ def test_a_grid_line_adds_a_method_to_the_baseline_table(monkeypatch):
     assert grid.metrics("halved-b4")[0] in grid.table_inputs("baseline")
     with pytest.raises(ValueError, match="needs a checkpoint"):
         Grid({**grid.config, "methods": [{"name": "palu", "checkpoint": "x"}]}).runs()
+
+
+def test_every_run_of_a_grid_is_a_spec_named_as_it_is_keyed(monkeypatch):
+    """Issue 52 item 1: the grid holds `RunSpec`s only (FP16 and configured methods included),
+    each run's name computed by its spec, and a new kind of run (here a test's fitted method)
+    is planned through the protocol alone: its inputs and overrides reach the evaluation rule's
+    lookups with no branch in the grid."""
+    from dataclasses import dataclass
+
+    from palu.pipeline.grid import Grid
+    from palu.pipeline.specs import RunSpec
+    grid = Grid.load(Path(__file__).resolve().parents[2] / "conf" / "grid" / "default.yaml")
+    runs = grid.runs()
+    assert runs and all(isinstance(s, RunSpec) for s in runs.values())
+    assert all(spec.name(grid) == name for name, spec in runs.items())
+    assert grid.run_overrides("fp16") == "method=fp16"
+
+    @dataclass(frozen=True)
+    class Fitted(RunSpec):
+        seed: int
+
+        def name(self, grid):
+            return f"fitted-s{self.seed}"
+
+        def inputs(self, grid):
+            return [grid.prepared_model(), f"{grid.work}/fitted/s{self.seed}"]
+
+        def method_overrides(self, grid):
+            return ["method=fitted", f"method.state={grid.work}/fitted/s{self.seed}"]
+    spec = Fitted(3)
+    monkeypatch.setitem(grid.__dict__, "_runs", {**grid._runs, spec.name(grid): spec})
+    assert grid.run_inputs("fitted-s3") == [grid.prepared_model(), "work/fitted/s3"]
+    assert grid.run_overrides("fitted-s3") == "method=fitted method.state=work/fitted/s3"

@@ -2,8 +2,8 @@
 
 The Snakefile only expands what this module returns, so a Python user can enumerate the same
 runs without Snakemake. A run is a KV-cache method (palu.methods) evaluated on the grid's
-corpora; runs are keyed by their `naming.run_name` (the method's tag, then the calibration it
-was made from), and their results live at `naming.metrics_path(..., run, ...)`.
+corpora; runs are `specs.RunSpec`s keyed by their name (`RunSpec.name`: the method's tag, then the
+calibration it was made from), and their results live at `naming.metrics_path(..., run, ...)`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from palu.calib.fisher import FisherWindows
-from palu.decompose.checkpoint import rotation_tag
-from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
 from palu.pipeline.config import CONF_DIR, DTYPES, CalibrationConfig, DataConfig
 from palu.pipeline.grid_sections import GridSections
-from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of, shell_join
+from palu.pipeline.specs import FP16, PaluSpec, RunSpec, hydra_overrides, settings_of, shell_join
 
 _KEYS = {"model", "dtype", "tracking", "work", "results", "eval", "calibration", "fisher", "rank_multiple",
          "device", "methods", "granularity", "rank_allocation", "latent_bits", "hadamard", "rank_figure",
@@ -163,23 +161,18 @@ class Grid(GridSections):
             names += list(self.quantization_baselines()) + [self.run_name(s) for s in self.kvquant_specs()]
         return names
 
-    def runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
-        """Every method run of the grid by its run name (None: the FP16 baseline; a dict: a
-        method configured in the grid; a KVQuantSpec: KVQuant with a state the DAG fits)."""
+    def runs(self) -> dict[str, RunSpec]:
+        """Every method run of the grid by its run name (`specs.RunSpec`: a configured method,
+        FP16 included; a Palu checkpoint's run; KVQuant with a state the DAG fits)."""
         return dict(self._runs)
 
-    def run_name(self, spec: PaluSpec | KVQuantSpec) -> str:
-        """A run's name: what the method's `lineage()` will give for the checkpoint or state it
-        loads (`naming.lineage_of` for Palu; the fitting windows for KVQuant)."""
-        if isinstance(spec, KVQuantSpec):
-            return naming.run_name(spec.tag, (self.kvquant_ktag(),))
-        return naming.run_name(spec.tag, palu_lineage(self.ctag, self.ftag, spec.rank_method,
-                                                             self.config["rank_multiple"]))
+    def run_name(self, spec: RunSpec) -> str:
+        """A run's name: what the method's `lineage()` will give for what it loads."""
+        return spec.name(self)
 
     @cached_property
-    def _runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
-        out: dict[str, PaluSpec | KVQuantSpec | dict | None] = {
-            "fp16": None, **self.method_runs(), **self.quantization_baselines()}
+    def _runs(self) -> dict[str, RunSpec]:
+        out: dict[str, RunSpec] = {"fp16": FP16, **self.method_runs(), **self.quantization_baselines()}
         out.update({self.run_name(s): s for s in self.kvquant_specs()})
         if self.config.get("memory"):
             out.update(self.memory_runs())
@@ -221,21 +214,15 @@ class Grid(GridSections):
                                      spec.kept_ratio, spec.group_size, self.config["rank_multiple"]))
 
     def checkpoint(self, spec: PaluSpec) -> str:
-        tag = naming.palu_tag(spec.decomposition, spec.rank_method, spec.kept_ratio, spec.group_size,
-                              rotation=rotation_tag(spec.rotation), recovery=spec.recovery)
-        return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, tag,
+        """The folder of the checkpoint `spec` reads (named by its checkpoint spec's tag)."""
+        return str(naming.checkpoint_dir(self.work, self.model, self.ctag, self.ftag, spec.checkpoint_spec().tag,
                                          self.config["rank_multiple"], spec.rank_method))
 
     def checkpoints(self) -> dict[str, PaluSpec]:
         """Every checkpoint the grid's runs read, by its folder: the one place a checkpoint's path
         leads back to its spec (the decompose and recover rules look their wildcard up here,
         nothing is parsed back from the path)."""
-        out = {}
-        for spec in self.runs().values():
-            if isinstance(spec, PaluSpec):
-                for ck in {spec.checkpoint_spec(), spec.base().checkpoint_spec()}:
-                    out[self.checkpoint(ck)] = ck
-        return out
+        return {self.checkpoint(ck): ck for spec in self.runs().values() for ck in spec.checkpoints()}
 
     def ranks_files(self) -> dict[str, PaluSpec]:
         """Every ranks file the grid's checkpoints and the rank figure read, by its path (the
@@ -250,28 +237,13 @@ class Grid(GridSections):
 
     # ---- what a run needs ----------------------------------------------------------------------
     def run_inputs(self, run: str) -> list[str]:
-        spec = self._run(run)
-        if isinstance(spec, PaluSpec):
-            return [self.prepared_model(), self.checkpoint(spec)]
-        if isinstance(spec, KVQuantSpec):
-            return [self.prepared_model(), self.kvquant_state(spec)]
-        return [self.prepared_model()]
+        return self._run(run).inputs(self)
 
     def run_overrides(self, run: str) -> str:
         """The Hydra overrides that select `run`'s method."""
-        spec = self._run(run)
-        if spec is None:
-            return "method=fp16"
-        if isinstance(spec, KVQuantSpec):
-            return shell_join(["method=kvquant", f"method.state={self.kvquant_state(spec)}"])
-        if isinstance(spec, dict):
-            return shell_join([f"method={spec['name']}"] +
-                              [f"method.{k}={v}" for k, v in spec.items() if k != "name"])
-        # the checkpoint's manifest says how it was made: no palu.* setting is restated
-        return shell_join([f"method={spec.method}", f"method.checkpoint={self.checkpoint(spec)}",
-                           f"method.bits={spec.bits}"] + spec.method_overrides())
+        return shell_join(self._run(run).method_overrides(self))
 
-    def _run(self, run: str) -> PaluSpec | dict | None:
+    def _run(self, run: str) -> RunSpec:
         runs = self.runs()
         if run not in runs:
             raise ValueError(f"run {run!r} is not in the grid; its runs: {sorted(runs)}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from palu.eval.suites import SUITES
 from palu.pipeline import naming
 from palu.pipeline.config import KVQuantConfig, RecoveryConfig, ZeroshotConfig
-from palu.pipeline.specs import KVQuantSpec, PaluSpec, hydra_overrides, settings_of, shell_join
+from palu.pipeline.specs import FP16, KVQuantSpec, MethodSpec, PaluSpec, RunSpec, hydra_overrides, settings_of, shell_join
 
 
 class GridSections:
@@ -135,22 +135,22 @@ class GridSections:
                          options=tuple(sorted((k, v) for k, v in p.items() if k not in known)))
                 for p in z.get("palu", [])]
 
-    def zeroshot_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+    def zeroshot_runs(self) -> dict[str, RunSpec]:
         return self._suite_runs("zeroshot")
 
-    def _suite_runs(self, key: str) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+    def _suite_runs(self, key: str) -> dict[str, RunSpec]:
         """FP16 (the reference of every paired difference), the entry's Palu runs, its baselines
         and KVQuant at `<key>.kvquant_bits` (fitted for the quantization table)."""
         z = self.config.get(key)
         if not z:
             return {}
-        out: dict = {"fp16": None, **{self.run_name(s): s for s in self._suite_specs(key)}}
+        out: dict = {"fp16": FP16, **{self.run_name(s): s for s in self._suite_specs(key)}}
         out.update(self._configured_methods(z.get("baselines")))
         kv = [s for s in self.kvquant_specs() if s.bits == z.get("kvquant_bits")]
         out.update({self.run_name(s): s for s in kv[:1]})
         return out
 
-    def longcontext_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict | None]:
+    def longcontext_runs(self) -> dict[str, RunSpec]:
         return self._suite_runs("longcontext")
 
     def longcontext_suites(self) -> dict[str, dict]:
@@ -235,7 +235,7 @@ class GridSections:
         """Every fitted state the grid needs, by its tag (the fit_kvquant rule's wildcard)."""
         return {spec.tag: spec for spec in self.kvquant_specs()}
 
-    def _configured_methods(self, confs) -> dict[str, dict]:
+    def _configured_methods(self, confs) -> dict[str, MethodSpec]:
         from palu.methods import build_method
         out = {}
         for conf in confs or []:
@@ -243,16 +243,16 @@ class GridSections:
             if hasattr(method, "checkpoint") or hasattr(method, "state"):
                 raise ValueError(f"grid methods: {conf} needs a checkpoint or fitted state; Palu "
                                  "runs come from the Palu entries, KVQuant from quantization.kvquant")
-            out[method.tag] = dict(conf)
+            out[method.tag] = MethodSpec(dict(conf))
         return out
 
-    def method_runs(self) -> dict[str, dict]:
+    def method_runs(self) -> dict[str, MethodSpec]:
         """The grid's `methods:` list (method configs: a name and its fields) by tag: cache
         methods evaluated beside the FP16 baseline in the baseline table. A method is added to
         the default tables by one line here, no code."""
         return self._configured_methods(self.config.get("methods"))
 
-    def quantization_baselines(self) -> dict[str, dict]:
+    def quantization_baselines(self) -> dict[str, MethodSpec]:
         """The quantization table's baselines that need no fitted state (Atom, KIVI, ...)."""
         return self._configured_methods((self.config.get("quantization") or {}).get("baselines"))
 
@@ -272,14 +272,14 @@ class GridSections:
         m = self.config["memory"]
         return PaluSpec("whitened", m["rank_method"], float(m["kept_ratio"]), int(m["group_size"]))
 
-    def memory_runs(self) -> dict[str, PaluSpec | KVQuantSpec | dict]:
+    def memory_runs(self) -> dict[str, RunSpec]:
         """Runs whose cache bytes and generated text the cache_memory table shows at a long
         prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
         `memory.methods`, and KVQuant at `memory.kvquant_bits` (when the quantization table fits it)."""
         m, base = self.config["memory"], self.memory_spec()
         palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
                 for b in m.get("bits", [16])]
-        out: dict = {"fp16": None, **{self.run_name(s): s for s in palu}}
+        out: dict = {"fp16": FP16, **{self.run_name(s): s for s in palu}}
         out.update(self._configured_methods(m.get("methods")))
         kv = [s for s in self.kvquant_specs() if s.bits == m.get("kvquant_bits")]
         out.update({self.run_name(s): s for s in kv[:1]})

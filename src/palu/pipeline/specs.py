@@ -1,5 +1,10 @@
 """The typed runs a grid plans, and the one way settings become Hydra overrides.
 
+Every run of a grid is a `RunSpec`: it names itself (the run name its result files carry), lists
+the inputs its steps read and gives the overrides that select its method, so the grid asks a spec
+and never its type. `MethodSpec` is a method configured in the grid (FP16 included), `PaluSpec` a
+Palu checkpoint's run, `KVQuantSpec` KVQuant with codebooks the DAG fits.
+
 A grid section that configures a step (calibration, fisher, eval, zeroshot, a long-context suite,
 recovery, KVQuant fitting) is merged onto that step's schema dataclass (`settings_of`): an unknown
 key fails naming it, what the grid leaves out takes the schema's default (palu.pipeline.config is
@@ -9,10 +14,15 @@ line of the step. No key list or default is written twice.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from palu.decompose.checkpoint import rotation_tag
+from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
+
+if TYPE_CHECKING:
+    from palu.pipeline.grid import Grid
 
 
 def defaults_of(schema) -> dict:
@@ -62,8 +72,48 @@ def shell_join(items: list[str]) -> str:
     return " ".join(shlex.quote(x) for x in items)
 
 
+class RunSpec:
+    """One run of a grid: what its results are named, what its steps read, how its method is
+    selected. A new kind of run (a method with fitted state) is a new subclass; the grid and the
+    rules only call these."""
+
+    def name(self, grid: "Grid") -> str:
+        """The run name in its result paths: the method's tag, then what it was made from."""
+        raise NotImplementedError
+
+    def inputs(self, grid: "Grid") -> list[str]:
+        """What an evaluation of this run reads besides its data: the prepared model, and the
+        run's own artifact (a checkpoint, a fitted state)."""
+        return [grid.prepared_model()]
+
+    def method_overrides(self, grid: "Grid") -> list[str]:
+        """The Hydra overrides that select this run's method (unquoted: `shell_join` quotes)."""
+        raise NotImplementedError
+
+    def checkpoints(self) -> tuple["PaluSpec", ...]:
+        """The Palu checkpoints this run's artifacts are made from (none but for Palu runs)."""
+        return ()
+
+
 @dataclass(frozen=True)
-class PaluSpec:
+class MethodSpec(RunSpec):
+    """A method configured in the grid (`methods:`, a table's baselines; FP16): its name and its
+    fields, nothing fitted by the DAG (a checkpoint or fitted state is refused: `Grid`)."""
+    conf: dict = field(hash=False)
+
+    def name(self, grid: "Grid") -> str:
+        from palu.methods import build_method
+        return build_method(self.conf).tag
+
+    def method_overrides(self, grid: "Grid") -> list[str]:
+        return [f"method={self.conf['name']}"] + [f"method.{k}={v}" for k, v in self.conf.items() if k != "name"]
+
+
+FP16 = MethodSpec({"name": "fp16"})
+
+
+@dataclass(frozen=True)
+class PaluSpec(RunSpec):
     """One Palu run: how its checkpoint is made, and the bit width its cache stores latents at."""
     decomposition: str
     rank_method: str
@@ -88,8 +138,26 @@ class PaluSpec:
         from palu.methods import build_method
         return build_method({"name": self.method, "checkpoint": "-", **dict(self.options)}).method_suffix
 
-    def method_overrides(self) -> list[str]:
+    def option_overrides(self) -> list[str]:
+        """The fields of a method on Palu's latents (`options`)."""
         return [f"method.{k}={_value(v)}" for k, v in self.options]
+
+    def name(self, grid: "Grid") -> str:
+        """What the method's `lineage()` gives for the checkpoint it loads (`naming.lineage_of`)."""
+        return naming.run_name(self.tag, palu_lineage(grid.ctag, grid.ftag, self.rank_method,
+                                                      grid.config["rank_multiple"]))
+
+    def inputs(self, grid: "Grid") -> list[str]:
+        return [grid.prepared_model(), grid.checkpoint(self)]
+
+    def method_overrides(self, grid: "Grid") -> list[str]:
+        # the checkpoint's manifest says how it was made: no palu.* setting is restated
+        return [f"method={self.method}", f"method.checkpoint={grid.checkpoint(self)}",
+                f"method.bits={self.bits}"] + self.option_overrides()
+
+    def checkpoints(self) -> tuple["PaluSpec", ...]:
+        """The checkpoint it reads, and (after recovery) the one recovery starts from."""
+        return tuple(dict.fromkeys((self.checkpoint_spec(), self.base().checkpoint_spec())))
 
     def base(self) -> "PaluSpec":
         """The same run without recovery (the checkpoint recovery starts from)."""
@@ -110,7 +178,7 @@ class PaluSpec:
 
 
 @dataclass(frozen=True)
-class KVQuantSpec:
+class KVQuantSpec(RunSpec):
     """One KVQuant run: the settings its codebooks are fitted with (step fit_kvquant)."""
     bits: int
     weighting: str
@@ -120,3 +188,13 @@ class KVQuantSpec:
     def tag(self) -> str:
         from palu.methods.kvquant import state_tag
         return state_tag(self.bits, self.weighting, self.outlier_fraction)
+
+    def name(self, grid: "Grid") -> str:
+        """The state's tag, then the calibration windows its codebooks are fitted on."""
+        return naming.run_name(self.tag, (grid.kvquant_ktag(),))
+
+    def inputs(self, grid: "Grid") -> list[str]:
+        return [grid.prepared_model(), grid.kvquant_state(self)]
+
+    def method_overrides(self, grid: "Grid") -> list[str]:
+        return ["method=kvquant", f"method.state={grid.kvquant_state(self)}"]
