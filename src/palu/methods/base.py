@@ -175,6 +175,14 @@ def check_one_pass(method, what: str) -> None:
                           "decode-time suites (longcontext: prefill, evict, then generate)")
 
 
+def family_of(summary: dict) -> str:
+    """A method's family from its result summary (`CacheMethod.summary()` as a result file holds
+    it): the family it states (eviction, selection, composition, a quantiser's name), else
+    `palu` for a Palu checkpoint's run (its summary has the kept ratio) and the method's name
+    otherwise (fp16). The one place a family is inferred: tables and figures map it further."""
+    return summary.get("family") or ("palu" if "kept_ratio_target" in summary else summary["method"])
+
+
 def method_names() -> list[str]:
     _discover()
     return sorted(REGISTRY)

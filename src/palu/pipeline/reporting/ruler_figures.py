@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from palu.eval.stats import stratified_mean
+from palu.methods import family_of
 
 matplotlib.use("Agg")
 
@@ -19,12 +20,12 @@ FAMILY_COLOURS = {"fp16": "black", "low-rank": "#1b9e77", "quantisation": "#d95f
 
 
 def _family(summary: dict) -> str:
-    fam = summary.get("family")
-    if summary["method"] == "fp16":
-        return "fp16"
+    """The figure's colour group: the method's family (`family_of`), Palu as low-rank and the
+    quantisers (their own names as families) as quantisation."""
+    fam = family_of(summary)
     if fam in FAMILY_COLOURS:
         return fam
-    return "low-rank" if summary["method"].startswith("palu") else "quantisation"
+    return "low-rank" if fam == "palu" else "quantisation"
 
 
 def _ruler_runs(runs: list[dict]) -> list[dict]:

@@ -8,6 +8,7 @@ import pandas as pd
 
 from palu.eval.stats import ppl_difference, ppl_interval
 from palu.artifacts import read_json
+from palu.methods import family_of
 from palu.pipeline.reporting import write_frame
 
 COLUMNS = ["model", "method", "corpus", "corpus_label", "seqlen", "tokens", "kept_ratio_target",
@@ -44,7 +45,7 @@ def run_row(path: str | Path) -> dict:
         "calibration_samples": m.get("calibration_samples", 0),
         "calibration_seqlen": m.get("calibration_seqlen", 0),
         "fisher_samples": m.get("fisher_samples", 0),
-        "family": m.get("family") or ("palu" if "kept_ratio_target" in m else m["method"]),
+        "family": family_of(m),
         "kv_bits": m.get("kv_bits", 16),
         "byte_ratio_target": m.get("byte_ratio_target", math.nan),
         # measured from a real cache at the evaluated length (older result files have none)

@@ -12,6 +12,7 @@ import pandas as pd
 
 from palu.eval.stats import paired_difference, stratified_mean
 from palu.artifacts import read_json
+from palu.methods import family_of
 from palu.pipeline.reporting import write_frame
 
 LABELS = {"piqa": "PIQA", "arc_easy": "ARC-e", "arc_challenge": "ARC-c", "hellaswag": "HellaSwag",
@@ -49,7 +50,7 @@ def zeroshot_frame(paths: list[str]) -> pd.DataFrame:
     for r in runs:
         z, summary = r["zeroshot"], r["summary"]
         row = {"model": summary["model"], "method": summary["method"],
-               "family": summary.get("family") or ("palu" if "kept_ratio_target" in summary else summary["method"]),
+               "family": family_of(summary),
                "granularity": _granularity(summary),
                "kv_bits": summary.get("kv_bits", 16), "kept_ratio": summary.get("kept_ratio_realised", 1.0),
                "source": z["source"], "limit": z["limit"], "lm_eval": z["lm_eval"]}
