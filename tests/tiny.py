@@ -170,3 +170,16 @@ def save_tiny(model, tok, folder):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+# Prompts of three lengths for padded-batch tests, and their left-padded batch (ids, mask).
+PAD = 0
+PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
+
+
+def left_padded(prompts, pad: int = PAD):
+    import torch
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask

@@ -10,18 +10,8 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-from tiny import (tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_olmo2, tiny_phi3, tiny_qwen2,
-                  tiny_qwen3)
-
-PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
-PAD = 0
-
-
-def _batch(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+from tiny import (PAD, PROMPTS, left_padded, tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_olmo2,
+                  tiny_phi3, tiny_qwen2, tiny_qwen3)
 
 
 def _mistral(seed):
@@ -51,7 +41,7 @@ def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_generate(fa
     model = _model(family, attn)
     assert static_decode.unsupported(model, None) is None
     tol = 1e-9
-    ids, mask = _batch(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     trace = []
     new, _ = static_decode.greedy_static(model, ids, mask, 6, set(), graph=False, trace=trace)
     assert len(trace) == 6
@@ -79,7 +69,7 @@ def test_an_unpadded_batch_and_batch_one():
 
 def test_rows_stop_at_their_first_stop_token_as_in_the_eager_loop():
     model = _model("llama", "sdpa")
-    ids, mask = _batch(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     free, _ = static_decode.greedy_static(model, ids, mask, 8, set(), graph=False)
     stop = {free[1][2], free[2][0]}   # row 1 ends at its third token, row 2 at its first
     new, _ = static_decode.greedy_static(model, ids, mask, 8, stop, graph=False)
@@ -97,7 +87,7 @@ def test_answers_and_bytes_equal_the_eager_loops_for_fp16():
 
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
-    ids, mask = _batch(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     ours = generation._generate_static(model, Tok(), method, PROMPTS, 5, ids, mask, set())
     eager = generation._generate(model, Tok(), method, PROMPTS, 5)   # the CPU takes the eager loop
     assert ours == eager

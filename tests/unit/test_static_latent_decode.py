@@ -14,15 +14,7 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
-PAD = 0
-
-
-def _batch(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+from tiny import PAD, PROMPTS, left_padded
 
 
 @torch.no_grad()
@@ -50,7 +42,7 @@ def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_the_latent_
         tiny_base, tiny_palu_checkpoint, bits):
     method, model = _palu(tiny_base, tiny_palu_checkpoint, bits)
     assert static_decode.latent_unsupported(model, method) is None
-    ids, mask = _batch(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     trace = []
     new, cache = static_decode.greedy_static_latent(model, method, ids, mask, 6, set(), graph=False, trace=trace)
     assert len(trace) == 6 and cache.ragged
@@ -76,7 +68,7 @@ def test_answers_and_bytes_equal_the_eager_loops(tiny_base, tiny_palu_checkpoint
 
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
-    ids, mask = _batch(PROMPTS)
+    ids, mask = left_padded(PROMPTS)
     free, _ = static_decode.greedy_static_latent(model, method, ids, mask, 8, set(), graph=False)
     for stop in (set(), {free[1][2], free[2][0]}):
         model.generation_config.eos_token_id = sorted(stop) or None   # what the eager loop stops at
