@@ -85,6 +85,8 @@ def test_who_it_serves(tiny_base, tiny_palu_checkpoint, monkeypatch):
                          "evict_ratio": 0.5, "evict_window": 2, "evict_kernel": 1})
     assert "not plain Palu" in static_decode.latent_unsupported(model, snap)
     assert "not plain Palu" in static_decode.latent_unsupported(model, build_method({"name": "fp16"}))
+    three, model3 = _palu(tiny_base, tiny_palu_checkpoint, 3)
+    assert "3-bit latents" in static_decode.latent_unsupported(model3, three)   # the eager loop serves it
     monkeypatch.setenv("PALU_STATIC_DECODE", "palu")
     assert static_decode.latent_enabled() and static_decode.enabled()
     monkeypatch.setenv("PALU_STATIC_DECODE", "1")

@@ -144,34 +144,44 @@ class GraphLatentCache(Cache):
     value rank (the kernels' layout; uniform allocations have them).
     """
 
-    def __init__(self, model, max_tokens: int, batch: int = 1, bits: int = UNQUANTISED):
+    @staticmethod
+    def unsupported(model, bits: int = UNQUANTISED) -> str | None:
+        """Why a GraphLatentCache cannot hold `model`'s latents at `bits`, or None."""
         if bits != UNQUANTISED and bits not in KERNEL_BITS:
-            raise ValueError(f"bits={bits!r} is not one of {KERNEL_BITS} (or {UNQUANTISED}: unquantised); "
-                             "3-bit latents: use palu.LatentCache (torch path)")
-        for name, value in (("max_tokens", max_tokens), ("batch", batch)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            return (f"bits={bits!r} is not one of {KERNEL_BITS} (or {UNQUANTISED}: unquantised); "
+                    "3-bit latents: use palu.LatentCache (torch path)")
         modules = check_latent_model(model, "GraphLatentCache")
-        n_layers = model.config.num_hidden_layers
         window = sliding_window_of(model.config)
         if window is not None:
             # its decode mask is the row's length alone: a window would be silently ignored
-            raise ValueError(f"GraphLatentCache has no sliding-window attention (the model's window "
-                             f"is {window} tokens); use palu.LatentCache")
+            return (f"GraphLatentCache has no sliding-window attention (the model's window is {window} "
+                    "tokens); use palu.LatentCache")
+        for i in sorted(modules):
+            for name, ranks in (("key", modules[i].ranks_k), ("value", modules[i].ranks_v)):
+                if len(set(ranks)) != 1:
+                    return (f"layer {i}: {name} ranks differ between groups ({list(ranks)}); "
+                            "GraphLatentCache needs one rank per layer (use LatentCache)")
+                if bits != UNQUANTISED and ranks[0] % pack_unit(bits):
+                    return (f"layer {i}: {name} rank {ranks[0]} is not a multiple of {pack_unit(bits)}, "
+                            f"so its {bits}-bit latents are padded; the kernels read unpadded ones "
+                            "(use LatentCache)")
+        return None
+
+    def __init__(self, model, max_tokens: int, batch: int = 1, bits: int = UNQUANTISED):
+        for name, value in (("max_tokens", max_tokens), ("batch", batch)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        why = self.unsupported(model, bits)
+        if why is not None:
+            raise ValueError(why)
+        modules = check_latent_model(model, "GraphLatentCache")
+        n_layers = model.config.num_hidden_layers
         self.max_tokens, self.batch, self.bits = max_tokens, batch, bits
         self.seen = 0              # tokens stored (host): advanced by eager steps, set by GraphDecoder
         self.view_tokens: int | None = None   # slots the kernels read while a graph is captured
         layers = []
         for i in range(n_layers):
             attn = modules[i]
-            for name, ranks in (("key", attn.ranks_k), ("value", attn.ranks_v)):
-                if len(set(ranks)) != 1:
-                    raise ValueError(f"layer {i}: {name} ranks differ between groups ({list(ranks)}); "
-                                     "GraphLatentCache needs one rank per layer (use LatentCache)")
-                if bits != UNQUANTISED and ranks[0] % pack_unit(bits):
-                    raise ValueError(f"layer {i}: {name} rank {ranks[0]} is not a multiple of "
-                                     f"{pack_unit(bits)}, so its {bits}-bit latents are padded; the "
-                                     "kernels read unpadded ones (use LatentCache)")
             layers.append(GraphLatentLayer(self, attn.n_groups, attn.ranks_k[0], attn.ranks_v[0],
                                            attn.A_k.dtype, attn.A_k.device))
         super().__init__(layers=layers)

@@ -246,7 +246,8 @@ def latent_unsupported(model, method) -> str | None:
     widths = method.layer_bits()
     if isinstance(widths, list) and len(set(widths)) > 1:
         return "mixed latent widths"
-    return None
+    from ..cache.graph_cache import GraphLatentCache
+    return GraphLatentCache.unsupported(model, widths[0] if isinstance(widths, list) else widths)
 
 
 @torch.no_grad()
