@@ -25,7 +25,10 @@ form) pair; the SnapKV compositions and Palu + TOVA serve the padded batch row b
 On a CPU run every tensor is on the host, so `Count` tracks which side each tensor
 would be on (its docstring).
 
-    python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json
+    python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json [methods=fp16,quest] [batches=4,8]
+
+Session 34: Quest selects for every row of a padded batch at once (`QuestPolicy.select_padded`):
+results/checks/decode-syncs-quest.json.
 """
 from __future__ import annotations
 
@@ -112,27 +115,37 @@ def counted(model, tok, method, prompts, new):
     return c.calls, c.syncs
 
 
-def main(out: str) -> None:
+def main(out: str, *opts: str) -> None:
+    """OUT [methods=a,b,...] [batches=4,8]: the methods of METHODS to count (default all) and the
+    batch sizes (default 4: prompts of 256, 247, 238, ... tokens)."""
+    args = dict(o.split("=", 1) for o in opts)
+    names = args["methods"].split(",") if "methods" in args else list(METHODS)
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise SystemExit(f"methods {unknown} unknown; known: {list(METHODS)}")
+    batches = [int(b) for b in args.get("batches", "4").split(",")]
     torch.set_num_threads(2)
-    random.seed(0)
-    prompts = [[random.randrange(100, 40000) for _ in range(256 - 9 * i)] for i in range(4)]
     rows = []
-    for name, cfg in METHODS.items():
-        model, tok = load_model(MODEL, dtype="float32")
-        method = build_method(cfg) if cfg else None
-        if method is not None:
-            method.install(model)
-        (one, one_syncs), (many, many_syncs) = (counted(model, tok, method, prompts, 1),
-                                                counted(model, tok, method, prompts, 17))
-        step = {k: (many[k] - one[k]) / 16 for k in many}
-        syncs = {k: (many_syncs[k] - one_syncs[k]) / 16 for k in many_syncs if many_syncs[k] - one_syncs[k]}
-        rows.append({"method": name, "torch_calls_per_step": round(sum(step.values()), 1),
-                     "syncs_per_step": round(sum(syncs.values()), 1), "syncs": syncs})
-        print(f"{name:16s} torch calls / step {sum(step.values()):8.0f}   syncs / step {sum(syncs.values()):7.1f}  {syncs}",
-              flush=True)
-    write_json(out, {"model": MODEL, "batch": 4, "prompt_tokens": [len(p) for p in prompts],
-                     "per": "decode step of the batch (all layers)", "rows": rows})
+    for batch in batches:
+        random.seed(0)
+        prompts = [[random.randrange(100, 40000) for _ in range(256 - 9 * i)] for i in range(batch)]
+        for name in names:
+            cfg = METHODS[name]
+            model, tok = load_model(MODEL, dtype="float32")
+            method = build_method(cfg) if cfg else None
+            if method is not None:
+                method.install(model)
+            (one, one_syncs), (many, many_syncs) = (counted(model, tok, method, prompts, 1),
+                                                    counted(model, tok, method, prompts, 17))
+            step = {k: (many[k] - one[k]) / 16 for k in many}
+            syncs = {k: (many_syncs[k] - one_syncs[k]) / 16 for k in many_syncs if many_syncs[k] - one_syncs[k]}
+            rows.append({"method": name, "batch": batch, "torch_calls_per_step": round(sum(step.values()), 1),
+                         "syncs_per_step": round(sum(syncs.values()), 1), "syncs": syncs})
+            print(f"{name:16s} batch {batch:3d} torch calls / step {sum(step.values()):8.0f}   "
+                  f"syncs / step {sum(syncs.values()):7.1f}  {syncs}", flush=True)
+    write_json(out, {"model": MODEL, "batches": batches, "per": "decode step of the batch (all layers)",
+                     "prompt_tokens": "256 - 9 i for row i", "rows": rows})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "results/checks/decode-syncs.json")
+    main(*(sys.argv[1:] or ["results/checks/decode-syncs.json"]))

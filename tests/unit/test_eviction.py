@@ -413,6 +413,36 @@ def test_a_padded_batch_decides_every_row_at_once_as_each_row_alone(policy):
         assert torch.equal(held[b:b + 1], want), (policy, b)
 
 
+@pytest.mark.parametrize("page,budget", [(2, 4), (4, 12), (3, 9), (16, 64)])
+def test_quest_selects_for_every_row_of_a_padded_batch_at_once_as_each_row_alone(page, budget, monkeypatch):
+    """`QuestPolicy.select_padded`: each row's pages start at its own first token and are scored
+    over its own tokens, so every row reads what `select` chooses for it alone (a row within the
+    budget reads all its tokens, a pad never), at lengths around the page and budget edges; and
+    a padded batch's decode steps take it, not one `select` call a row."""
+    from palu.methods.quest import QuestPolicy
+    pol = QuestPolicy(page, budget)
+    g = torch.Generator().manual_seed(page * budget)
+    for S in (5, 9, 17, 64, 65, 131):
+        B, H, n_rep, d = 3, 2, 2, 8
+        pads = torch.tensor([0, min(S - 1, 3), min(S - 1, 7)])
+        keys = torch.randn(B, H, S, d, generator=g, dtype=torch.float64)
+        q = torch.randn(B, H * n_rep, 1, d, generator=g, dtype=torch.float64)
+        got = pol.select_padded(q, keys, pads)
+        for b in range(B):
+            alone = pol.select(q[b:b + 1], keys[b:b + 1, :, int(pads[b]):], None)
+            want = torch.zeros(1, H, S, dtype=torch.bool)
+            want[..., int(pads[b]):] = True if alone is None else alone
+            assert torch.equal(got[b:b + 1], want), (page, budget, S, b)
+    calls = []
+    monkeypatch.setattr(QuestPolicy, "select", lambda self, *a: calls.append(1))
+    method, model = _installed(tiny_llama(0).double(), {"name": "quest", "page": page, "budget": budget})
+    ids = torch.tensor([[0, 0, 0, 0, 5, 17, 23, 42, 8, 61, 3, 9], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70]])
+    with torch.no_grad():
+        model.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       past_key_values=method.make_cache(model))
+    assert not calls
+
+
 @pytest.mark.parametrize("conf", [{"name": "streaming_llm", "sink": 1, "window": 4},
                                   {"name": "tova", "budget": 5}])
 def test_a_padded_batchs_kept_width_known_on_the_host_is_the_fullest_rows(conf, monkeypatch):

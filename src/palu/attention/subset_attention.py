@@ -57,9 +57,14 @@ class SubsetKVAttention(FullHeads):
             mask = (mask & (positions >= 0)[:, :, None]) | (q_pos < 0)[..., None]
         selects = type(policy).select is not SubsetPolicy.select   # Quest reads a subset each step
         if T == 1 and old_k is not None and (pads is None or selects):
-            chosen = (policy.select(q, keys, positions) if pads is None
-                      else _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.select(qb, kb, posb),
-                                   q, keys, positions, q_pos, seen + T, pads, select=True, layer=lay))
+            chosen = NotImplemented
+            if pads is None:
+                chosen = policy.select(q, keys, positions)
+            elif lay.whole:   # every row's tokens are its slots [pad, S): all rows at once where it can
+                chosen = policy.select_padded(q, keys, pads)
+            if chosen is NotImplemented:
+                chosen = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.select(qb, kb, posb),
+                                 q, keys, positions, q_pos, seen + T, pads, select=True, layer=lay)
             if chosen is not None:
                 mask = mask & chosen[:, :, None, :]
         mask = mask.repeat_interleave(self.geom.n_rep, dim=1)       # per query head

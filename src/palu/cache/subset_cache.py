@@ -47,6 +47,13 @@ class SubsetPolicy:
         selection, Quest); None reads every kept token."""
         return None
 
+    def select_padded(self, queries: torch.Tensor, keys: torch.Tensor, pads: torch.Tensor) -> torch.Tensor | None:
+        """`select` for every row of a left-padded batch at once, while row b's tokens are the
+        slots [pads[b], S) (nothing evicted): (B, H, S) bool, each row reading what `select` would
+        choose for the row alone (pads never). None: every row reads all its tokens.
+        `NotImplemented`: no such rule, the batch selects row by row (`select`, one call a row)."""
+        return NotImplemented
+
     def keep_padded(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                     seen: torch.Tensor, scale: float | None = None) -> torch.Tensor | None:
         """`keep` for every row of a padded batch at once: (B, H, S) bool of the tokens to hold,

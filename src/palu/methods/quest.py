@@ -27,22 +27,45 @@ class QuestPolicy(SubsetPolicy):
         B, H, S, d = keys.shape
         if S <= self.budget:
             return None
+        return self._chosen(queries, keys, torch.full((B,), S, device=keys.device))
+
+    def select_padded(self, queries, keys, pads):
+        """Every row at once: each row's tokens shifted to slot 0 (so its pages start at its first
+        token, as alone), its pages scored over its own tokens, then shifted back; a row within the
+        budget reads all its tokens."""
+        B, H, S, d = keys.shape
+        held = S - pads.to(torch.long)                                        # (B,) each row's tokens
+        t = torch.arange(S, device=keys.device)
+        own = (pads.to(torch.long)[:, None] + t).clamp_max(S - 1)              # row-aligned slot t
+        aligned = keys.gather(2, own[:, None, :, None].expand(B, H, S, d))
+        chosen = self._chosen(queries, aligned, held) | (held <= self.budget)[:, None, None]
+        chosen &= (t < held[:, None])[:, None]                                # (B, H, S) over t
+        back = (t - pads.to(torch.long)[:, None])                              # slot -> row-aligned t
+        return chosen.gather(2, back.clamp_min(0)[:, None].expand(B, H, S)) & (back >= 0)[:, None]
+
+    def _chosen(self, queries, keys, held):
+        """(B, H, S) bool: the pages each row reads, its tokens at slots [0, held[b])."""
+        B, H, S, d = keys.shape
         pages = math.ceil(S / self.page)
         pad = pages * self.page - S
         padded = torch.nn.functional.pad(keys, (0, 0, 0, pad))               # (B, H, P * page, d)
         blocks = padded.view(B, H, pages, self.page, d)
-        valid = torch.arange(pages * self.page, device=keys.device).view(pages, self.page) < S
-        lo = blocks.masked_fill(~valid[..., None], float("inf")).amin(3)     # (B, H, P, d)
-        hi = blocks.masked_fill(~valid[..., None], float("-inf")).amax(3)
+        valid = (torch.arange(pages * self.page, device=keys.device)[None] < held[:, None])
+        valid = valid.view(B, 1, pages, self.page, 1)
+        lo = blocks.masked_fill(~valid, float("inf")).amin(3)                # (B, H, P, d)
+        hi = blocks.masked_fill(~valid, float("-inf")).amax(3)
         n_rep = queries.shape[1] // H
         q = queries[:, :, -1].view(B, H, n_rep, d)                           # this step's query
         bound = torch.maximum(q[:, :, :, None] * lo[:, :, None], q[:, :, :, None] * hi[:, :, None])
         score = bound.sum(-1).sum(2)                                          # (B, H, P)
-        score[..., -1] = float("inf")                                         # the newest page
+        count = -(-held // self.page)                                         # (B,) each row's pages
+        page = torch.arange(pages, device=keys.device)
+        score = score.masked_fill(page >= count[:, None, None], float("-inf"))
+        score = score.masked_fill(page == (count - 1)[:, None, None], float("inf"))   # the newest page
         chosen_pages = score.topk(min(pages, self.budget // self.page), dim=-1).indices
         chosen = torch.zeros(B, H, pages, dtype=torch.bool, device=keys.device)
         chosen.scatter_(-1, chosen_pages, True)
-        return chosen.repeat_interleave(self.page, -1)[..., :S]
+        return (chosen & (page < count[:, None, None])).repeat_interleave(self.page, -1)[..., :S]
 
 
 @dataclass
