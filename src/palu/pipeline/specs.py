@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from palu.decompose.checkpoint import rotation_tag
 from palu.decompose.lineage import palu_lineage
 from palu.pipeline import naming
 
-if TYPE_CHECKING:
-    from palu.pipeline.grid import Grid
+# A spec's methods take the `Grid` (palu.pipeline.grid) that plans it: its tags, folders and
+# steps' settings. Annotated by name only: grid.py imports this module.
 
 
 def defaults_of(schema) -> dict:
