@@ -232,7 +232,7 @@ def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool 
 
 def latent_enabled() -> bool:
     """Palu through `GraphLatentCache` and replayed steps: opt-in (PALU_STATIC_DECODE=palu) until
-    its graphs are checked on a GPU (`benchmarks/experiments/static_decode_check.py`)."""
+    its graphs are checked on a GPU (`benchmarks/experiments/static_latent_check.py`)."""
     return os.environ.get("PALU_STATIC_DECODE", "1") == "palu"
 
 
@@ -288,7 +288,7 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
     new = [[t] for t in x[:, 0].tolist()]
     done = [t in stop for t, in new]
     graphs: dict[int, object] = {}
-    for k in range(1, max_new_tokens):
+    for _ in range(1, max_new_tokens):
         if all(done):
             break
         if graph:
