@@ -7,6 +7,7 @@
 #   bash workflow/gpu_host.sh setup                           # join, check, install (once)
 #   bash workflow/gpu_host.sh start NAME -- COMMAND ...        # a long job in the background
 #   bash workflow/gpu_host.sh poll SECONDS [OUT]               # wait, then logs + new results to OUT
+#   bash workflow/gpu_host.sh missing RULE SNAKEMAKE-ARGS ...  # RULE's outputs not yet made
 #
 # `start` runs COMMAND with the wheelhouse's PYTHONPATH under nohup, its output in
 # work/gpu-host/NAME.log; `poll` returns as soon as every started job has ended or after SECONDS,
@@ -45,7 +46,8 @@ case "${1:-}" in
       echo "job $name is still running (pid $(cat "$STATE/$name.pid"))" >&2; exit 2
     fi
     # shellcheck disable=SC1091
-    ( source "$STATE/env.sh"; nohup "$@" > "$STATE/$name.log" 2>&1 & echo $! > "$STATE/$name.pid" )
+    # setsid: the host ends every process a call leaves behind, except one in its own session
+    ( source "$STATE/env.sh"; setsid nohup "$@" > "$STATE/$name.log" 2>&1 < /dev/null & echo $! > "$STATE/$name.pid" )
     echo "started $name (pid $(cat "$STATE/$name.pid")), log $STATE/$name.log" ;;
   poll)
     limit=$2; out=${3:-${OUT:-$STATE/out}}; mkdir -p "$out"
@@ -59,11 +61,20 @@ case "${1:-}" in
       tail -n 3 "$STATE/$n.log" | sed "s/^/  $n| /"
     done
     list=$(mktemp)
-    { ls "$STATE"/*.log 2>/dev/null || true; find results work/h200* -newer "$STATE/since" -type f 2>/dev/null || true; } | sort -u > "$list"
+    # results, and each grid's journals, logs and offline W&B runs (not its models: too large)
+    { ls "$STATE"/*.log 2>/dev/null || true
+      find results work/*/journal work/*/logs work/*/wandb -newer "$STATE/since" -type f 2>/dev/null || true; } | sort -u > "$list"
     tar czf "$STATE/poll.tgz" -T "$list"
     split -b 15m -d "$STATE/poll.tgz" "$out/poll.tgz."
     rm -f "$STATE/poll.tgz" "$list"
     ls -la "$out" ;;
+  missing)   # the outputs of RULE a grid still lacks (explicit targets: a fresh host rebuilds the
+             # model, and everything downstream of a job that runs would run again)
+    rule=$2; shift 2
+    "$PY" -m snakemake -n "$@" 2>/dev/null | awk -v r="rule $rule:" '
+      $0 == r {want = 1; next} /^(rule|localrule|checkpoint) / {want = 0}
+      want && $1 == "output:" {sub(/^ *output: */, ""); n = split($0, f, ", "); for (i = 1; i <= n; i++) print f[i]}' |
+      while read -r f; do [ -e "$f" ] || echo "$f"; done | sort -u ;;
   *)
-    sed -n '2,14p' "$0"; exit 2 ;;
+    sed -n '2,15p' "$0"; exit 2 ;;
 esac

@@ -30,9 +30,12 @@ import torch
 
 METHODS = {
     "fp16": {"name": "fp16"},
-    "fp16-eager": {"name": "fp16", "eager": True},   # the eager decode loop (PALU_STATIC_DECODE=0)
+    "fp16-eager": {"name": "fp16", "decode": "0"},   # the eager decode loop (PALU_STATIC_DECODE=0)
     "palu50-b16": {"name": "palu", "bits": 16},
     "palu50-b4": {"name": "palu", "bits": 4},
+    # plain Palu through GraphLatentCache and replayed steps (opt-in PALU_STATIC_DECODE=palu)
+    "palu50-b16-graph": {"name": "palu", "bits": 16, "decode": "palu"},
+    "palu50-b4-graph": {"name": "palu", "bits": 4, "decode": "palu"},
     "atom-b4": {"name": "atom", "bits": 4},
     "turboquant-b3": {"name": "turboquant", "bits": 3},
     "kivi-b2": {"name": "kivi", "bits": 2},
@@ -40,6 +43,10 @@ METHODS = {
     "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
     "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2048},
     "h2o": {"name": "h2o", "budget": 2048, "window": 64},
+    "tova": {"name": "tova", "budget": 2048},
+    "quest": {"name": "quest", "page": 16, "budget": 1024},
+    "kivi-b4": {"name": "kivi", "bits": 4},
+    "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,
@@ -163,7 +170,7 @@ def _checkpoint(model, windows, folder: str) -> str:
 
 def _method(model, name, ckpt):
     from palu.methods import build_method
-    conf = {k: v for k, v in METHODS[name].items() if k != "eager"}
+    conf = {k: v for k, v in METHODS[name].items() if k != "decode"}
     if conf["name"].startswith("palu"):
         conf["checkpoint"] = ckpt
     method = build_method(conf)
@@ -175,7 +182,7 @@ def _method(model, name, ckpt):
 def measure_method(run, model, tok, name, ckpt, prompts, args):
     device, new = args["device"], args["new_tokens"]
     method, m = _method(model, name, ckpt)
-    os.environ["PALU_STATIC_DECODE"] = "0" if METHODS[name].get("eager") else "1"
+    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
     ones = None
     for batch in args["method_batches"].get(name, args["batches"]):
         if run.left() < 30:
@@ -209,7 +216,7 @@ def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
         run.skip(f"budget {name}")
         return
     method, m = _method(model, name, ckpt)
-    os.environ["PALU_STATIC_DECODE"] = "0" if METHODS[name].get("eager") else "1"
+    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
     chosen = prompts[:min(batch, len(prompts))]
     _peak_reset(device)
     try:
