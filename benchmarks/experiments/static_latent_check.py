@@ -1,5 +1,5 @@
 """Plain Palu through `GraphLatentCache` with replayed decode steps
-(`palu.eval.static_decode.greedy_static_latent`, opt-in PALU_STATIC_DECODE=palu) on a padded
+(`palu.eval.static_decode.greedy_static_latent`, on by default since this check passed) on a padded
 batch of real prompts: the replayed graphs against the same steps run eagerly (logits, tokens),
 both against the eager `LatentCache` loop every Palu answer takes today (tokens), each path's
 first token against the prompt alone (logits), then one batch's time on each path. What a GPU
@@ -113,9 +113,15 @@ def main(out_dir, model_path, checkpoint, text_path, *opts):
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        fn(2)   # warm-up: kernel compilation, graph capture of the first buckets, allocator growth
-        pre, _ = _timed(lambda: fn(1), device)
-        full, _ = _timed(lambda: fn(new), device)
+        try:
+            fn(2)   # warm-up: kernel compilation, graph capture of the first buckets, allocator growth
+            pre, _ = _timed(lambda: fn(1), device)
+            full, _ = _timed(lambda: fn(new), device)
+        except torch.OutOfMemoryError:   # seen on the H200: the loop's eager left-padded prefill at 128 x 4K
+            result["timing"].append({"path": name, "batch": batch, "oom": True})
+            print(json.dumps(result["timing"][-1]), flush=True)
+            save()
+            continue
         row = {"path": name, "batch": batch, "prefill_s": pre, "total_s": full,
                "decode_step_ms": 1000 * (full - pre) / max(1, new - 1), "prompts_per_s": batch / full,
                "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}

@@ -1,5 +1,5 @@
 """Plain Palu through the preallocated `GraphLatentCache` on a padded batch
-(`palu.eval.static_decode.greedy_static_latent`, opt-in PALU_STATIC_DECODE=palu until a GPU run
+(`palu.eval.static_decode.greedy_static_latent`, on by default since the H200 check of session 35; before it, opt-in until a GPU run
 checks its graphs). On the CPU the decode step runs eagerly on the tensors a GPU would capture, so
 these float64 tests pin what the graph replays: the batch prefilled right-padded, then one token
 a row at the row's own slot, each row masked by its own length. Reference: each prompt alone
@@ -87,10 +87,17 @@ def test_who_it_serves(tiny_base, tiny_palu_checkpoint, monkeypatch):
     assert "not plain Palu" in static_decode.latent_unsupported(model, build_method({"name": "fp16"}))
     three, model3 = _palu(tiny_base, tiny_palu_checkpoint, 3)
     assert "3-bit latents" in static_decode.latent_unsupported(model3, three)   # the eager loop serves it
+    monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
+    assert static_decode.latent_enabled() and static_decode.enabled()   # the default: both graph paths
     monkeypatch.setenv("PALU_STATIC_DECODE", "palu")
     assert static_decode.latent_enabled() and static_decode.enabled()
-    monkeypatch.setenv("PALU_STATIC_DECODE", "1")
-    assert not static_decode.latent_enabled()
+    monkeypatch.setenv("PALU_STATIC_DECODE", "fp16")
+    assert static_decode.enabled() and not static_decode.latent_enabled()
+    monkeypatch.setenv("PALU_STATIC_DECODE", "0")
+    assert not static_decode.enabled() and not static_decode.latent_enabled()
+    monkeypatch.setenv("PALU_STATIC_DECODE", "yes")
+    with pytest.raises(ValueError, match="PALU_STATIC_DECODE='yes'"):
+        static_decode.enabled()
 
 
 def test_the_ragged_cache_refuses_a_step_at_the_wrong_slot(tiny_base, tiny_palu_checkpoint):

@@ -156,7 +156,7 @@ def _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mas
 
 
 def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
-    """Plain Palu on a GPU, opt-in (`static_decode.latent_enabled`): latents in preallocated
+    """Plain Palu on a GPU (`static_decode.latent_enabled`): latents in preallocated
     slots, each decode step a replayed CUDA graph; a row's bytes are what the method's own cache
     holds for its tokens (`static_decode.latent_row_bytes`)."""
     new, _ = static_decode.greedy_static_latent(model, method, ids, mask, max_new_tokens, stop)
