@@ -9,18 +9,34 @@
 #   bash workflow/gpu_host.sh poll SECONDS [OUT]               # wait, then logs + new results to OUT
 #   bash workflow/gpu_host.sh missing RULE SNAKEMAKE-ARGS ...  # RULE's outputs not yet made
 #
-# `start` runs COMMAND with the wheelhouse's PYTHONPATH under nohup, its output in
-# work/gpu-host/NAME.log; `poll` returns as soon as every started job has ended or after SECONDS,
-# and packs the logs and every result file changed since setup into OUT (the call's $OUT) as
-# archives of at most 15 MiB each (a call brings back 8 files of 16 MiB).
+# `start` runs COMMAND with the wheelhouse's PYTHONPATH in its own session (the host ends every
+# other process a call leaves behind), its output in work/gpu-host/NAME.log; `poll` returns as soon
+# as every started job has ended or after SECONDS, and packs the logs and every result, journal,
+# job log and W&B run changed since setup into OUT (the call's $OUT) as archives of at most 15 MiB
+# each (a call brings back 8 files of 16 MiB).
+#
+# Jobs run in a copy of the checkout outside it (RUN, made by the first `start` or `missing`): each
+# call re-sends the working tree and removes there what this side's tree lacks, so a result a job
+# had written into the checkout's results/ vanished at the next call (seen on the H200, session
+# 35); ignored folders (work/) stay. Prepare the checkout (journals unpacked, say) before `start`.
 set -euo pipefail
 STATE=work/gpu-host
 STAGE=$STATE/stage
 SITE=work/gpu-site
+RUN=${PALU_RUN_DIR:-/tmp/palu-run}
 PY=${PYTHON:-python3}
 mkdir -p "$STATE"
 
-env_line() { echo "export PYTHONPATH=$PWD/$SITE:$PWD/src:$PWD/kernels:$PWD/benchmarks"; }
+env_line() { echo "export PYTHONPATH=$PWD/$SITE:$RUN/src:$RUN/kernels:$RUN/benchmarks"; }
+
+run_copy() {   # the checkout as it is now, once (not the staged parts, the wheels, the installed site)
+  if [ ! -e "$RUN/.palu-run" ]; then
+    mkdir -p "$RUN"
+    tar -cf - --exclude='./work/gpu-parts*' --exclude=./work/gpu-host --exclude=./work/gpu-site \
+        --exclude=./work/wheelhouse . | tar -xf - -C "$RUN"
+    touch "$RUN/.palu-run"
+  fi
+}
 
 case "${1:-}" in
   stage)
@@ -37,7 +53,7 @@ case "${1:-}" in
     env_line > "$STATE/env.sh"
     touch "$STATE/since"
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
-    echo "setup done: source $STATE/env.sh" ;;
+    echo "setup done: source $STATE/env.sh (jobs run in $RUN)" ;;
   start)
     name=$2; shift 2; [ "${1:-}" = "--" ] && shift
     case "$name" in *[!A-Za-z0-9._-]*|"") echo "job name '$name': letters, digits, . _ - only" >&2; exit 2;; esac
@@ -45,10 +61,11 @@ case "${1:-}" in
     if [ -e "$STATE/$name.pid" ] && kill -0 "$(cat "$STATE/$name.pid")" 2>/dev/null; then
       echo "job $name is still running (pid $(cat "$STATE/$name.pid"))" >&2; exit 2
     fi
+    run_copy
+    log=$PWD/$STATE/$name.log; pid=$PWD/$STATE/$name.pid
     # shellcheck disable=SC1091
-    # setsid: the host ends every process a call leaves behind, except one in its own session
-    ( source "$STATE/env.sh"; setsid nohup "$@" > "$STATE/$name.log" 2>&1 < /dev/null & echo $! > "$STATE/$name.pid" )
-    echo "started $name (pid $(cat "$STATE/$name.pid")), log $STATE/$name.log" ;;
+    ( source "$STATE/env.sh"; cd "$RUN"; setsid nohup "$@" > "$log" 2>&1 < /dev/null & echo $! > "$pid" )
+    echo "started $name in $RUN (pid $(cat "$pid")), log $STATE/$name.log" ;;
   poll)
     limit=$2; out=${3:-${OUT:-$STATE/out}}; mkdir -p "$out"
     end=$((SECONDS + limit))
@@ -60,21 +77,21 @@ case "${1:-}" in
       if kill -0 "$(cat "$p")" 2>/dev/null; then echo "$n: running"; else echo "$n: ended"; fi
       tail -n 3 "$STATE/$n.log" | sed "s/^/  $n| /"
     done
-    list=$(mktemp)
-    # results, and each grid's journals, logs and offline W&B runs (not its models: too large)
-    { ls "$STATE"/*.log 2>/dev/null || true
-      find results work/*/journal work/*/logs work/*/wandb -newer "$STATE/since" -type f 2>/dev/null || true; } | sort -u > "$list"
-    tar czf "$STATE/poll.tgz" -T "$list"
+    since=$PWD/$STATE/since
+    # the job logs; from RUN: results, each grid's journals, logs and offline W&B runs (not models)
+    tar czf "$STATE/poll.tgz" "$STATE"/*.log -C "$RUN" \
+        $( [ -d "$RUN" ] && cd "$RUN" && find results work/*/journal work/*/logs work/*/wandb -newer "$since" -type f 2>/dev/null )
     split -b 15m -d "$STATE/poll.tgz" "$out/poll.tgz."
-    rm -f "$STATE/poll.tgz" "$list"
+    rm -f "$STATE/poll.tgz"
     ls -la "$out" ;;
-  missing)   # the outputs of RULE a grid still lacks (explicit targets: a fresh host rebuilds the
-             # model, and everything downstream of a job that runs would run again)
+  missing)   # the outputs of RULE a grid still lacks in RUN (explicit targets: a fresh host
+             # rebuilds the model, and everything downstream of a job that runs would run again)
     rule=$2; shift 2
+    run_copy; cd "$RUN"
     "$PY" -m snakemake -n "$@" 2>/dev/null | awk -v r="rule $rule:" '
       $0 == r {want = 1; next} /^(rule|localrule|checkpoint) / {want = 0}
       want && $1 == "output:" {sub(/^ *output: */, ""); n = split($0, f, ", "); for (i = 1; i <= n; i++) print f[i]}' |
       while read -r f; do [ -e "$f" ] || echo "$f"; done | sort -u ;;
   *)
-    sed -n '2,15p' "$0"; exit 2 ;;
+    sed -n '2,22p' "$0"; exit 2 ;;
 esac

@@ -27,6 +27,10 @@ would be on (its docstring).
 
     python benchmarks/experiments/decode_syncs.py results/checks/decode-syncs.json [methods=fp16,quest] [batches=4,8]
 
+Session 35 (results/checks/decode-syncs-kivi-batch-path.json): past the prefill the quantised cache
+holds every row in one buffer (`cache/quant_dense.py`): KIVI-2 5,172 / 5,854 calls a step at batch
+4 / 8 against 23,329 / 44,569 on the row layers (PALU_QUANT_DENSE=0), KIVI-2 + SnapKV 4,703 / 4,778
+against 14,515 / 20,395; FP16 2,273.
 Session 34: Quest selects for every row of a padded batch at once (`QuestPolicy.select_padded`):
 results/checks/decode-syncs-quest.json.
 """

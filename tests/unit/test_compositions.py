@@ -44,7 +44,7 @@ def test_kivi_snapkv_with_every_token_exact_is_snapkv(one_layer):
     method, cache, pre, steps = _run(base, {"name": "kivi_snapkv", "bits": 2, "group": 4, "residual": 64,
                                             **EVICT}, ids)
     assert (pre - snap_pre).abs().max().item() < TOL and (steps - snap_steps).abs().max().item() < TOL
-    assert cache.get_seq_length() == T + NEW and cache.layers[0].k.n == T // 2 + NEW
+    assert cache.get_seq_length() == T + NEW and cache.layers[0].held() == [T // 2 + NEW]
     assert method.tag == "kivi-b2-g4-r64-snapkv-r0.5-w4-k3"
 
 

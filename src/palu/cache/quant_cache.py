@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import quant_dense
 from .protocol import RowEdits, left_pads
 
 NEVER = 2 ** 62   # quantised_at of a token that stays in the model's dtype
@@ -129,6 +130,11 @@ class _Stream:
         start = max(self.quantised(n0), h1)
         return torch.cat([fp[:, :, :h1], dq, fp[:, :, h1 + q1 - start:]], 2)
 
+    def current(self, dtype) -> torch.Tensor:
+        """Every held token in order, in the form the cache holds it now (B, H, n, d)."""
+        parts = [self.head, self.codec.decode(self.enc, self.layer, dtype) if self.enc else None, self.tail]
+        return torch.cat([t for t in parts if t is not None and t.shape[2]], 2)
+
     def map(self, fn) -> None:
         for name in ("head", "tail"):
             if getattr(self, name) is not None:
@@ -204,6 +210,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         self.rows: list[QuantKVLayer] | None = None
         self.pads: list[int] = []
         self.width = 0
+        # past the prefill: every row in one buffer, each token in its current form (quant_dense.py)
+        self.dense: quant_dense.DenseRows | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -233,6 +241,11 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
+        if self.dense is None and T == 1 and window is None and self._goes_dense():
+            self._to_dense()
+        if self.dense is not None:
+            k, v, mask = self.dense.step(keys, values, attention_mask)
+            return QuantKVView(k, v, None, mask, None)
         n0 = self.k.n
         if self.rows is None and self.keeps_rows_apart and hides_causal_keys(attention_mask, n0, T, window):
             self._split_rows(attention_mask, B, T, n0, window, owner)
@@ -288,6 +301,26 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         key_positions = None if self.positions is None else self.positions.index_select(1, index)
         return QuantKVView(torch.cat(col_k, 2), torch.cat(col_v, 2), index, mask, key_positions)
 
+    def _goes_dense(self) -> bool:
+        """Whether the next one-token step takes the batch path (`quant_dense`): after a prefill,
+        codes of a block that depend on that block alone, keys stored after RoPE."""
+        return (quant_dense.enabled() and self.get_seq_length() > 0 and not self.keep_positions
+                and getattr(self.k.codec, "dense", False) and getattr(self.v.codec, "dense", False))
+
+    def _to_dense(self) -> None:
+        layers = self.rows if self.rows is not None else [self]
+        dtype = self.dtype
+        keys, values = [], []
+        for lay in layers:
+            k, v = lay.k.current(dtype), lay.v.current(dtype)
+            keys += list(k.split(1)) if lay is self else [k]
+            values += list(v.split(1)) if lay is self else [v]
+        self.dense = quant_dense.DenseRows(self.k.codec, self.v.codec, self.schedule, self.layer_idx,
+                                           keys, values, self.get_seq_length(), by_rows=self.rows is not None)
+        self.rows = None   # the row layers' state now lives in the buffer
+        self.k = _Stream(self.k.codec, self.schedule, self.layer_idx)
+        self.v = _Stream(self.v.codec, self.schedule, self.layer_idx)
+
     def evict(self, keys, values, seen: int) -> None:
         """Hold only `keys` / `values` (B, H, n, d), the tokens a prefill-eviction method kept (in
         order, a set per KV head), coded as this cache codes a prompt of those n tokens; every
@@ -296,6 +329,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if self.keep_positions:
             raise TypeError("a pre-RoPE quantised cache cannot evict: its keys are rotated at "
                             "positions kept per token, not per KV head")
+        if self.dense is not None:
+            raise ValueError("a quantised cache evicts after its prefill, not after decoding steps")
         if self.rows is not None:
             raise ValueError("a padded batch's rows are apart: evict each row layer (`rows`) among "
                              "its own tokens, not the batch, whose columns hold pad tokens")
@@ -305,7 +340,17 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         self.v.step(values)
         self.evicted = seen - keys.shape[2]
 
+    def held(self) -> list[int]:
+        """Tokens each row holds (after an eviction, fewer than it has seen)."""
+        if self.dense is not None:
+            return list(self.dense.n)
+        if self.rows is not None:
+            return [r.k.n for r in self.rows]
+        return [self.k.n] * (0 if self.k.tail is None else self.k.tail.shape[0])
+
     def get_seq_length(self) -> int:
+        if self.dense is not None:
+            return self.dense.seen
         return self.width if self.rows is not None else self.k.n + self.evicted
 
     def crop(self, max_length: int) -> None:
@@ -321,6 +366,9 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         return -1
 
     def _map_rows(self, fn) -> None:
+        if self.dense is not None:
+            self.dense.map_rows(fn)
+            return
         if self.rows is not None:   # beam search, batch edits: the row layers move whole
             order = fn(torch.arange(len(self.rows))).tolist()
             taken: set = set()
@@ -385,6 +433,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         return QuantKVView(ks, vs, torch.arange(S, device=keys.device), mask, kpos)
 
     def nbytes(self) -> dict:
+        if self.dense is not None:
+            return self.dense.nbytes()
         if self.rows is not None:   # the codecs' per-layer metadata is stored once for all rows
             parts = [r.nbytes() for r in self.rows]
             out = {key: sum(p[key] for p in parts) for key in parts[0]}
@@ -417,7 +467,8 @@ class QuantKVCache(Cache):
 
     def holds_rows_apart(self) -> bool:
         """Whether a padded batch split its rows (then `row(b)` is a row's bytes as alone)."""
-        return any(layer.rows is not None for layer in self.layers)
+        return any(layer.rows is not None or (layer.dense is not None and layer.dense.by_rows)
+                   for layer in self.layers)
 
     def row_bytes_by_snapshot(self) -> bool:
         """Whether a row's bytes are taken when it ends (`row(b)` once rows are apart, or an even
@@ -427,6 +478,8 @@ class QuantKVCache(Cache):
 
     def row(self, b: int) -> "QuantKVCache":
         """Row b of a batch whose rows are apart (`holds_rows_apart`), as a cache of its own."""
+        if any(layer.dense is not None for layer in self.layers):
+            return _DenseRowBytes([layer.dense for layer in self.layers], b)
         one = copy.copy(self)
         one.layers = [layer.rows[b] for layer in self.layers]
         return one
@@ -438,6 +491,22 @@ class QuantKVCache(Cache):
         totals: dict = {}
         for layer in self.layers:
             for key, value in layer.nbytes().items():
+                totals[key] = totals.get(key, 0) + value
+        totals["total"] = sum(v for k, v in totals.items() if k != "fixed")
+        return totals
+
+
+class _DenseRowBytes:
+    """Row b of a batch on the batch path (`quant_dense`), for its bytes as alone: `nbytes` as
+    `QuantKVCache.nbytes` counts them."""
+
+    def __init__(self, layers, b: int):
+        self.layers, self.b = layers, b
+
+    def nbytes(self) -> dict:
+        totals: dict = {}
+        for layer in self.layers:
+            for key, value in layer.row_nbytes(self.b).items():
                 totals[key] = totals.get(key, 0) + value
         totals["total"] = sum(v for k, v in totals.items() if k != "fixed")
         return totals

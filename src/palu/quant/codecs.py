@@ -19,6 +19,7 @@ class UniformCodec(Codec):
     """Min-max integer codes in groups (`quant/uniform.py`): `axis="channel"` groups `group`
     channels of a token (block 1), `axis="token"` groups `group` tokens of a channel (block =
     group). Metadata: an fp16 scale and minimum per group."""
+    dense = True   # a block's codes depend on that block alone (cache/quant_dense.py)
 
     def __init__(self, bits: int, group: int, axis: str = "channel"):
         self.bits, self.group, self.axis = bits, group, axis
@@ -40,6 +41,7 @@ class TurboCodec(Codec):
     randomised Hadamard transform (random signs, then a normalised Hadamard matrix; seeded per
     layer) and each coordinate coded by a Lloyd-Max codebook for the coordinate distribution of a
     uniformly random unit vector in R^d. No data-dependent calibration."""
+    dense = True   # per-token codes
 
     def __init__(self, bits: int, head_dim: int, num_layers: int, seed: int = 0):
         self.bits, self.d = bits, head_dim

@@ -17,7 +17,7 @@ from palu.pipeline.tracking.wandb_run import check_tracking, tracked_step
 
 log = logging.getLogger("palu")
 # environment switches that choose a decode path: each output records the ones set
-DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE")
+DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE")
 
 
 def entry_point(run, config_name: str = "config", checked: bool = True):
