@@ -20,6 +20,7 @@
 # had written into the checkout's results/ vanished at the next call (seen on the H200, session
 # 35); ignored folders (work/) stay. Prepare the checkout (journals unpacked, say) before `start`.
 set -euo pipefail
+shopt -s nullglob
 STATE=work/gpu-host
 STAGE=$STATE/stage
 SITE=work/gpu-site
