@@ -46,9 +46,15 @@ class QuantKVAttention(FullHeads):
         if self.geom.rope and pre_rope:
             kcos, ksin = self._rotary[0](x, view.key_positions.long())
             keys = apply_rope(keys, kcos, ksin)
-        out = F.scaled_dot_product_attention(
-            q, keys, view.values, attn_mask=view.mask, scale=self.softmax_scale(),
-            enable_gqa=self.geom.n_rep > 1)
+        values, gqa = view.values, self.geom.n_rep > 1
+        if gqa and view.mask is not None and T > 1:
+            # SDPA's grouped-query kernels take no mask on CUDA, so its math path would hold
+            # batch x query heads x T x S scores (KIVI's 8K prefill ran out of memory at batch 32
+            # on the H200); with the heads expanded the memory-efficient kernel takes the mask
+            keys, values = (t.repeat_interleave(self.geom.n_rep, 1) for t in (keys, values))
+            gqa = False
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=view.mask, scale=self.softmax_scale(),
+                                             enable_gqa=gqa)
         eviction = getattr(self.method, "eviction", None)     # a composition with SnapKV
         if eviction is not None and past == 0 and T > 1:
             self._evict(eviction, cache.layers[self.layer_idx], q, k, v, T)
