@@ -30,6 +30,11 @@ storing only that row's real tokens (sink, window and blocks counted from the ro
 as alone), and a step's view is the rows' views side by side, filler columns masked (`_step_rows`).
 A prefill-eviction composition (KIVI + SnapKV, `evicts`) keeps a padded batch's rows apart too, so
 each row layer evicts among its own tokens.
+
+Past the prefill, one-token steps take the batch path (`quant_dense.py`): every row in one buffer,
+each token in its current form, the blocks that fall due coded for all rows at once; the same
+(key, value) pairs as the steps above, without a Python loop over rows or a dequantisation of the
+whole history each step (PALU_QUANT_DENSE=0 keeps this layer's own steps).
 """
 from __future__ import annotations
 
