@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -141,11 +142,6 @@ def main(out_dir, model_path, checkpoint, text_path, *opts):
 REPLAY_TOL, ALONE_SLACK = 1e-2, 0.1
 
 
-def _median(xs):
-    xs = sorted(xs)
-    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
-
-
 def _verdict(checks) -> dict:
     first, rows = checks[0], checks[1:]
     why = []
@@ -153,8 +149,8 @@ def _verdict(checks) -> dict:
         why.append(f"{first['rows'] - first['graph_vs_same_step_eager_rows_equal']} rows differ from the same steps run eagerly")
     if first["graph_vs_same_step_eager_max_logit_diff"] > REPLAY_TOL:
         why.append(f"replayed logits {first['graph_vs_same_step_eager_max_logit_diff']:.3g} from eager (> {REPLAY_TOL})")
-    graph = _median([r["graph_prefill_vs_alone_max_logit_diff"] for r in rows])
-    loop = _median([r["left_padded_prefill_vs_alone_max_logit_diff"] for r in rows])
+    graph = statistics.median([r["graph_prefill_vs_alone_max_logit_diff"] for r in rows])
+    loop = statistics.median([r["left_padded_prefill_vs_alone_max_logit_diff"] for r in rows])
     if graph > loop + ALONE_SLACK:
         why.append(f"the graph prefill's rows are {graph:.3g} from each prompt alone (median), the loop's {loop:.3g}")
     return {"pass": not why, "why": why, "replay_tol": REPLAY_TOL, "alone_slack": ALONE_SLACK,

@@ -180,6 +180,7 @@ def _method(model, name, ckpt):
 
 
 def measure_method(run, model, tok, name, ckpt, prompts, args):
+    from palu.eval.generation import decode_switches
     device, new = args["device"], args["new_tokens"]
     method, m = _method(model, name, ckpt)
     os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
@@ -197,7 +198,7 @@ def measure_method(run, model, tok, name, ckpt, prompts, args):
             continue
         row = {"path": "palu", "method": name, "batch": batch, "prompts": len(chosen),
                "seconds": seconds, "prompts_per_s": len(chosen) / seconds, "peak_gib": _peak(device),
-               "batched": batch == 1 or method.padded_batches, "switches": _switches(),
+               "batched": batch == 1 or method.padded_batches, "switches": decode_switches(),
                "kv_bytes_per_prompt": max(b["stored"] for _, b in answers)}
         if batch == 1:
             ones = [a for a, _ in answers]
@@ -206,12 +207,6 @@ def measure_method(run, model, tok, name, ckpt, prompts, args):
             row["agreement"] = {"prompts": len(ones), "differ": differ}
         run.add(row)
     return method, m
-
-
-def _switches() -> dict:
-    """The decode-path switches this row ran under (palu.pipeline records the same per output)."""
-    return {k: os.environ[k] for k in ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE")
-            if k in os.environ}
 
 
 def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):

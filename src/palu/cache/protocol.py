@@ -131,6 +131,14 @@ def left_pads(attention_mask, B: int, T: int, name: str):
     return pads
 
 
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on `dev` without waiting for the device's queue (a pinned, asynchronous
+    copy; a pageable one would synchronise the stream)."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 class RowEdits:
     """Beam search and batch edits (`reorder_cache`, `batch_repeat_interleave`,
     `batch_select_indices`) through one `_map_rows(fn)` that applies `fn` to every per-row tensor

@@ -45,7 +45,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import quant_dense
-from .protocol import RowEdits, left_pads
+from .protocol import RowEdits, left_pads, to_device
 
 NEVER = 2 ** 62   # quantised_at of a token that stays in the model's dtype
 
@@ -79,6 +79,10 @@ class Schedule:
         """End of the quantised tokens [sink, end) once n tokens are cached (min(n, sink) if none)."""
         blocks = max(0, (n - self.window - self.sink) // block)
         return min(n, self.sink) + blocks * block
+
+    def coded(self, n: int, block: int) -> int:
+        """How many of n cached tokens are held quantised (the rest: the sink and the window)."""
+        return self.quantised_end(n, block) - min(n, self.sink)
 
 
 def _cat(parts: list[dict]) -> dict:
@@ -189,14 +193,6 @@ def _lookup(index: torch.Tensor, n: int) -> torch.Tensor:
     return where
 
 
-def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host tensor on `dev` without waiting for the device's queue (a pinned, asynchronous
-    copy; a pageable one would synchronise the stream)."""
-    if dev.type != "cuda":
-        return t.to(dev)
-    return t.pin_memory().to(dev, non_blocking=True)
-
-
 class QuantKVLayer(RowEdits, CacheLayerMixin):
     is_sliding = False
     is_croppable = False
@@ -292,7 +288,7 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                 if not j.numel():
                     continue
                 # one copy: the tokens, their columns in the key / value tensors, their query interval
-                moved = _to_device(torch.stack([j, k_where[kq_form][j], v_where[vq_form][j], lo[j], hi[j]]), dev)
+                moved = to_device(torch.stack([j, k_where[kq_form][j], v_where[vq_form][j], lo[j], hi[j]]), dev)
                 col_k.append((kq if kq_form else kf).index_select(2, moved[1]))
                 col_v.append((vq if vq_form else vf).index_select(2, moved[2]))
                 idx.append(moved[0])
@@ -313,13 +309,9 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                 and getattr(self.k.codec, "dense", False) and getattr(self.v.codec, "dense", False))
 
     def _to_dense(self) -> None:
-        layers = self.rows if self.rows is not None else [self]
-        dtype = self.dtype
-        keys, values = [], []
-        for lay in layers:
-            k, v = lay.k.current(dtype), lay.v.current(dtype)
-            keys += list(k.split(1)) if lay is self else [k]
-            values += list(v.split(1)) if lay is self else [v]
+        layers = self.rows if self.rows is not None else [self]   # a row layer holds one row
+        keys = [row for lay in layers for row in lay.k.current(self.dtype).split(1)]
+        values = [row for lay in layers for row in lay.v.current(self.dtype).split(1)]
         self.dense = quant_dense.DenseRows(self.k.codec, self.v.codec, self.schedule, self.layer_idx,
                                            keys, values, self.get_seq_length(), by_rows=self.rows is not None)
         self.rows = None   # the row layers' state now lives in the buffer

@@ -28,15 +28,16 @@ import os
 
 import torch
 
+from .protocol import to_device
+
 
 def enabled() -> bool:
     return os.environ.get("PALU_QUANT_DENSE", "1") != "0"
 
 
 def _pinned(values, device) -> torch.Tensor:
-    """Host integers on `device` without a wait for its queue (pinned, asynchronous)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return t.to(device) if device.type != "cuda" else t.pin_memory().to(device, non_blocking=True)
+    """Host integers on `device` without a wait for its queue."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
 
 
 class DenseRows:
@@ -94,11 +95,11 @@ class DenseRows:
 
     def _code_due(self, buf, codec, old: list[int]) -> None:
         """Code, in every row whose count just reached it, the block that left the window."""
-        block, end, sink = codec.block, self.schedule.quantised_end, self.schedule.sink
-        # coded tokens are [sink, end(n)): a block falls due when their count grows (never while
-        # the sink fills); it starts at end(n), the first token not yet coded
-        due = [(b, self.start[b] + end(n, block)) for b, n in enumerate(old)
-               if end(n + 1, block) - min(n + 1, sink) != end(n, block) - min(n, sink)]
+        block, sched = codec.block, self.schedule
+        # coded tokens are [sink, quantised_end(n)): a block falls due when their count grows;
+        # it starts at quantised_end(n), the first token not yet coded
+        due = [(b, self.start[b] + sched.quantised_end(n, block)) for b, n in enumerate(old)
+               if sched.coded(n + 1, block) != sched.coded(n, block)]
         if not due:
             return
         rows = _pinned([b for b, _ in due], buf.device)
@@ -124,11 +125,11 @@ class DenseRows:
     def row_nbytes(self, b: int) -> dict:
         """Row b's bytes as the reference layer stores them (codes, their metadata, the exact
         tokens), from the codecs' counts."""
-        n, sink = self.n[b], self.schedule.sink
+        n = self.n[b]
         out = {"quantised": 0, "metadata": 0, "full_precision": 0, "positions": 0}
         for buf, codec in zip(self.bufs, self.codecs):
             H, d = buf.shape[1], buf.shape[-1]
-            coded = self.schedule.quantised_end(n, codec.block) - min(n, sink)
+            coded = self.schedule.coded(n, codec.block)
             part = codec.nbytes_for(coded, 1, H, d)
             out["quantised"] += part["quantised"]
             out["metadata"] += part["metadata"]

@@ -11,6 +11,7 @@ row counts its tokens alike), and says so once.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
@@ -20,6 +21,13 @@ from .journal import current as current_journal
 
 log = logging.getLogger(__name__)
 AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
+# the environment switches that choose a decode path (static_decode, the kernels, cache/quant_dense)
+DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE")
+
+
+def decode_switches() -> dict:
+    """The decode-path switches set now: every output records the ones its answers ran under."""
+    return {k: os.environ[k] for k in DECODE_SWITCHES if k in os.environ}
 
 
 def answer(model, tokenizer, method, prompt_ids: list[int], max_new_tokens: int = 24) -> str:

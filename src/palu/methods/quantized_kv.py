@@ -83,7 +83,7 @@ class QuantizedKV(CacheMethod):
         sched, H, d = self.schedule(), geom.num_kv_heads, geom.head_dim
         out = {"data": 0, "metadata": 0, "full_precision": 0, "fixed": 0}
         for codec in (key_codec, value_codec):
-            quantised = sched.quantised_end(tokens, codec.block) - min(tokens, sched.sink)
+            quantised = sched.coded(tokens, codec.block)
             part = codec.nbytes_for(quantised, batch, H, d)
             fixed = sum(codec.layer_metadata_nbytes(i) for i in range(geom.num_layers))
             out["data"] += part["quantised"] * geom.num_layers

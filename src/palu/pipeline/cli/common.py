@@ -16,8 +16,6 @@ from palu.pipeline import naming
 from palu.pipeline.tracking.wandb_run import check_tracking, tracked_step
 
 log = logging.getLogger("palu")
-# environment switches that choose a decode path: each output records the ones set
-DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE")
 
 
 def entry_point(run, config_name: str = "config", checked: bool = True):
@@ -152,12 +150,13 @@ def calibration_windows_of(cfg, tok, samples: int, seqlen: int, seed: int):
 
 def environment() -> dict:
     import transformers
+
+    from palu.eval.generation import decode_switches
     return {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "host": platform.node(),
             "cpu_threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            # the decode paths switched by environment (palu.eval.static_decode, kernel_backend)
-            "switches": {k: os.environ[k] for k in DECODE_SWITCHES if k in os.environ}}
+            "switches": decode_switches()}
 
 
 def record(cfg, step: str, **extra) -> dict:
