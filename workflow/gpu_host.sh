@@ -78,12 +78,13 @@ case "${1:-}" in
       if kill -0 "$(cat "$p")" 2>/dev/null; then echo "$n: running"; else echo "$n: ended"; fi
       tail -n 3 "$STATE/$n.log" | sed "s/^/  $n| /"
     done
-    since=$PWD/$STATE/since
-    # the job logs; from RUN: results, each grid's journals, logs and offline W&B runs (not models)
-    tar czf "$STATE/poll.tgz" "$STATE"/*.log -C "$RUN" \
-        $( [ -d "$RUN" ] && cd "$RUN" && find results work/*/journal work/*/logs work/*/wandb -newer "$since" -type f 2>/dev/null )
+    since=$PWD/$STATE/since; list=$(mktemp); mkdir -p "$RUN"
+    # the job logs; from RUN: results, each grid's journals, logs and offline W&B runs (not models),
+    # listed NUL-separated (a result's name is never split or read by the shell)
+    (cd "$RUN" && find results work/*/journal work/*/logs work/*/wandb -newer "$since" -type f -print0 2>/dev/null) > "$list" || true
+    tar czf "$STATE/poll.tgz" "$STATE"/*.log -C "$RUN" --null -T "$list"
     split -b 15m -d "$STATE/poll.tgz" "$out/poll.tgz."
-    rm -f "$STATE/poll.tgz"
+    rm -f "$STATE/poll.tgz" "$list"
     ls -la "$out" ;;
   missing)   # the outputs of RULE a grid still lacks in RUN (explicit targets: a fresh host
              # rebuilds the model, and everything downstream of a job that runs would run again)
