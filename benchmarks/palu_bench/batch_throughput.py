@@ -47,6 +47,9 @@ METHODS = {
     "quest": {"name": "quest", "page": 16, "budget": 1024},
     "kivi-b4": {"name": "kivi", "bits": 4},
     "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
+    # SnapKV / PyramidKV decoding in preallocated slots, replayed (opt-in: PALU_STATIC_DECODE=all)
+    "snapkv-graph": {"name": "snapkv", "compression_ratio": 0.5, "decode": "all"},
+    "pyramidkv-graph": {"name": "pyramidkv", "compression_ratio": 0.5, "decode": "all"},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,

@@ -130,6 +130,9 @@ class SubsetKVCache(RowEdits, Cache):
         # a padded batch: one policy per row, deciding over that row's own tokens only (its state,
         # H2O's scores, is the row's alone); None while no row is padded (one batched policy)
         self.row_policies: list[SubsetPolicy] | None = None
+        # after a prefill, the kept tokens in preallocated slots (`subset_slots.SubsetSlots`,
+        # the graph-replayed decode steps of `eval/static_decode.greedy_static_subset`)
+        self.slots = None
 
     def policy_of_row(self, row: int, rows: int) -> SubsetPolicy:
         if self.row_policies is None:

@@ -16,7 +16,7 @@ import os
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from . import static_decode
+from . import static_decode, static_subset
 from .journal import current as current_journal
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,9 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     if static_decode.latent_enabled() and device.type == "cuda" and \
             static_decode.latent_unsupported(model, method) is None:
         return _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
+    if static_subset.subset_enabled() and device.type == "cuda" and \
+            static_subset.subset_unsupported(model, method) is None:
+        return _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
     cache = DynamicCache() if method is None else method.make_cache(model)
     rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
                                        None if method is None else _RowBytesNow(method, cache, prompts))
@@ -176,6 +179,16 @@ def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, i
             held[tokens] = static_decode.latent_row_bytes(method, model, tokens)
         out.append((tokenizer.decode(n, skip_special_tokens=True), dict(held[tokens])))
     return out
+
+
+def _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
+    """SnapKV / PyramidKV on a GPU (`static_subset.subset_enabled`): the method's own eager
+    prefill, then decode steps in preallocated slots, replayed as a CUDA graph; a row's bytes are
+    its own tokens' as the method counts them (`SubsetSlots.row_nbytes`)."""
+    new, held = static_subset.greedy_static_subset(model, method, ids, mask, max_new_tokens, stop)
+    return [(tokenizer.decode(n, skip_special_tokens=True),
+             {"stored": h["total"], "read_per_step": h["total"], "tokens": len(p) + len(n) - 1})
+            for p, n, h in zip(prompts, new, held)]
 
 
 # generation-config settings that change greedy decoding's choice (transformers applies them in

@@ -28,7 +28,8 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
+
+from ..attention.grouped_decode import grouped_decode
 
 log = logging.getLogger(__name__)
 IMPLEMENTATION = "palu_static"   # the attention implementation name registered below
@@ -47,11 +48,13 @@ def _switch() -> str:
     value = os.environ.get("PALU_STATIC_DECODE", "1")
     if value not in SWITCH_VALUES:
         raise ValueError(f"PALU_STATIC_DECODE={value!r}: one of {sorted(SWITCH_VALUES)} "
-                         "(1 or palu: every graph path; fp16: the plain model's alone; 0: none)")
+                         "(1 or palu: the plain model's and Palu's graph paths; fp16: the plain model's "
+                         "alone; all: the eviction methods' too; 0: none)")
     return value
 
 
-SWITCH_VALUES = {"0", "1", "fp16", "palu"}
+# all: also the eviction methods' slots (static_subset.py), opt-in until checked on a GPU
+SWITCH_VALUES = {"0", "1", "fp16", "palu", "all"}
 
 
 def unsupported(model, method) -> str | None:
@@ -86,26 +89,8 @@ def grouped_decode_attention(module, query, key, value, attention_mask, dropout=
         kwargs.pop("is_causal", None)
         return sdpa_attention_forward(module, query, key[:, :, :q], value[:, :, :q], None, dropout=dropout,
                                       scaling=scaling, is_causal=True, **kwargs)
-    kv = key.shape[1]
-    grouped = query.view(B, kv, H // kv, D)
-    kernel = _dense_decode_kernel(query)
-    if kernel is not None:
-        out = kernel(grouped, key, value, attention_mask, scaling if scaling is not None else D ** -0.5)
-    else:
-        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
-    return out.reshape(B, H, 1, D).transpose(1, 2).contiguous(), None
-
-
-def _dense_decode_kernel(query):
-    """`palu_kernels.dense_decode` on a GPU (off with PALU_DENSE_DECODE=0, or where Triton or the
-    kernels package is missing: SDPA's masked kernel then)."""
-    if query.device.type != "cuda" or os.environ.get("PALU_DENSE_DECODE", "1") == "0":
-        return None
-    try:
-        from palu_kernels.dense_decode import dense_decode
-    except ImportError:
-        return None
-    return dense_decode
+    out = grouped_decode(query, key, value, attention_mask, scaling if scaling is not None else D ** -0.5)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _no_mask(**kwargs):
@@ -247,7 +232,7 @@ def latent_enabled() -> bool:
     `results/checks/h200-static-latent-check.json`): the replayed steps equal the same steps run
     eagerly, and the right-padded prefill equals each prompt alone in fp16, where the loop's
     left-padded one is 0.9-2.2 logits apart."""
-    return _switch() in ("1", "palu")
+    return _switch() in ("1", "palu", "all")
 
 
 def latent_unsupported(model, method) -> str | None:

@@ -1,0 +1,144 @@
+"""SnapKV and PyramidKV through preallocated slots with replayed decode steps
+(`palu.eval.static_subset.greedy_static_subset`, opt-in with PALU_STATIC_DECODE=all) on a padded
+batch of real prompts: the replayed graphs against the same steps run eagerly (logits, tokens),
+both against the eager loop every eviction answer takes today (tokens; the prefill is the same
+code, so only the decode attention differs: the dense-decode kernel against SDPA's masked one),
+then one batch's time on each path. What a GPU lease checks before the path is switched on by
+default; exits 3 when `_verdict` says it may not be. Writes OUT/static-subset-check.json.
+
+  python benchmarks/experiments/static_subset_check.py OUT_DIR MODEL TEXT \
+      [methods=snapkv,pyramidkv] [batch=64] [length=4032] [new=64] [device=cuda] [dtype=float16]
+
+On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of the script).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import palu
+from palu.eval import generation, static_subset
+from palu.methods import build_method
+
+CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
+        "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5}}
+# replayed steps are the eager steps' kernels: equal tokens, logits within REPLAY_TOL; against the
+# eager loop (another attention kernel in fp16) at least LOOP_SHARE of the rows equal
+REPLAY_TOL, LOOP_SHARE = 1e-2, 0.75
+
+
+def _prompts(ids, count, length):
+    return [ids[i * 331:i * 331 + length - (i * 97) % max(1, length // 8)] for i in range(count)]
+
+
+def _batch(prompts, pad, device):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def _timed(fn, device):
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t, out
+
+
+def check(model, method, ids, mask, graph: bool) -> dict:
+    runs = {}
+    for name, g in (("graph", graph), ("static-eager", False)):
+        trace = []
+        runs[name] = (static_subset.greedy_static_subset(model, method, ids, mask, 24, set(), graph=g,
+                                                         trace=trace)[0], trace)
+    loop = [n for n, _ in generation._decode_dropping_ended_rows(model, method.make_cache(model), ids, mask, 24, set())]
+    (g_new, g_trace), (e_new, e_trace) = runs["graph"], runs["static-eager"]
+    out = {"rows": len(g_new), "new_tokens": 24,
+           "graph_vs_same_step_eager_max_logit_diff": max((a.float() - b.float()).abs().max().item()
+                                                          for a, b in zip(g_trace, e_trace)),
+           "graph_vs_same_step_eager_rows_equal": sum(a == b for a, b in zip(g_new, e_new)),
+           "graph_vs_eager_loop_rows_equal": sum(a == b for a, b in zip(g_new, loop)),
+           "first_differing_step_vs_loop": [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                            for a, b in zip(g_new, loop)]}
+    why = []
+    if out["graph_vs_same_step_eager_rows_equal"] != out["rows"]:
+        why.append("rows differ from the same steps run eagerly")
+    if out["graph_vs_same_step_eager_max_logit_diff"] > REPLAY_TOL:
+        why.append(f"replayed logits more than {REPLAY_TOL} from eager")
+    if out["graph_vs_eager_loop_rows_equal"] < LOOP_SHARE * out["rows"]:
+        why.append(f"fewer than {LOOP_SHARE:.0%} of the rows equal the eager loop's")
+    out["verdict"] = {"pass": not why, "why": why, "replay_tol": REPLAY_TOL, "loop_share": LOOP_SHARE}
+    return out
+
+
+def main(out_dir, model_path, text_path, *opts):
+    args = {"methods": "snapkv,pyramidkv", "batch": "64", "length": "4032", "new": "64", "device": "cuda",
+            "dtype": "float16"}
+    args.update(o.split("=", 1) for o in opts)
+    batch, length, new = (int(args[k]) for k in ("batch", "length", "new"))
+    device = args["device"]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "static-subset-check.json")
+    result = {"args": args, "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+              "torch": torch.__version__, "checks": {}, "timing": []}
+
+    def save():
+        with open(path + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1)
+        os.replace(path + ".tmp", path)
+    base, tok = palu.load_model(model_path, dtype=args["dtype"], device=device)
+    base.generation_config.eos_token_id = None
+    text = tok(open(text_path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
+    pad = tok.pad_token_id or 0
+    small = _batch(_prompts(text, 16, min(length, 1024)), pad, device)
+    large = _batch(_prompts(text, batch, length), pad, device)
+    graph = device == "cuda"
+    for name in args["methods"].split(","):
+        import copy
+        method, model = build_method(CONF[name]), copy.deepcopy(base)
+        method.install(model)
+        why = static_subset.subset_unsupported(model, method)
+        if why is not None:
+            raise SystemExit(f"{name}: {why}")
+        result["checks"][name] = check(model, method, *small, graph)
+        print(json.dumps({name: result["checks"][name]}), flush=True)
+        save()
+        ids, mask = large
+        paths = {"graph": lambda n: static_subset.greedy_static_subset(model, method, ids, mask, n, set(), graph=graph),
+                 "static-eager": lambda n: static_subset.greedy_static_subset(model, method, ids, mask, n, set(), graph=False),
+                 "eager-loop": lambda n: generation._decode_dropping_ended_rows(
+                     model, method.make_cache(model), ids, mask, n, set())}
+        for path_name, fn in paths.items():
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                fn(2)   # warm-up: kernel selection, graph capture, allocator growth
+                pre, _ = _timed(lambda: fn(1), device)
+                full, _ = _timed(lambda: fn(new), device)
+            except torch.OutOfMemoryError:
+                result["timing"].append({"method": name, "path": path_name, "batch": batch, "oom": True})
+                save()
+                continue
+            row = {"method": name, "path": path_name, "batch": batch, "prefill_s": pre, "total_s": full,
+                   "decode_step_ms": 1000 * (full - pre) / max(1, new - 1), "prompts_per_s": batch / full,
+                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
+            result["timing"].append(row)
+            print(json.dumps(row), flush=True)
+            save()
+        del model
+    result["pass"] = all(c["verdict"]["pass"] for c in result["checks"].values())
+    save()
+    print(f"-> {path}")
+    if not result["pass"]:
+        raise SystemExit(3)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

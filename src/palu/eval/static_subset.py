@@ -1,0 +1,106 @@
+"""Greedy decoding of a left-padded batch through an eviction method that chooses its tokens once,
+after the prefill (SnapKV, PyramidKV), with each decode step captured once as a CUDA graph and
+replayed (issue 49, item 4).
+
+The prefill is the method's own, eager and left-padded (`SubsetKVAttention`: each row scores and
+keeps its own tokens, as its prompt alone would). Then the kept tokens move into preallocated
+slots (`cache/subset_slots.py`) and every step writes each row's token at one slot, opens that
+column of the row's mask and attends with the query heads grouped by KV head
+(`attention/grouped_decode.py`): the step has one shape and reads nothing back, so it replays.
+Eagerly on the CPU, the same step is what the float64 tests compare with the eager loop and with
+each prompt alone.
+
+Opt-in (`PALU_STATIC_DECODE=all`) until a GPU run checks its graphs against the eager steps.
+"""
+from __future__ import annotations
+
+import torch
+
+from .static_decode import _capture, _switch
+
+
+def subset_enabled() -> bool:
+    return _switch() == "all"
+
+
+def subset_unsupported(model, method) -> str | None:
+    """Why this path cannot serve `method` on `model`, or None when it can."""
+    from ..cache.subset_cache import SubsetKVCache, SubsetPolicy
+    from ..methods.token_subset import TokenSubset
+    if not isinstance(method, TokenSubset):
+        return f"method {getattr(method, 'name', method)!r} does not keep a token subset of full keys"
+    cache = method.make_cache(model)
+    if type(cache) is not SubsetKVCache:
+        return f"method {method.name!r} has a cache of its own ({type(cache).__name__})"
+    policy = type(cache.policy)
+    if cache.policy.keeps_after_prefill:
+        return f"method {method.name!r} evicts after the prefill (every step)"
+    if policy.select is not SubsetPolicy.select or policy.visible is not SubsetPolicy.visible:
+        return f"method {method.name!r} chooses what a decode step reads"
+    if type(method).cache_nbytes is not TokenSubset.cache_nbytes:
+        return f"method {method.name!r} counts its bytes its own way"
+    return None
+
+
+class _SubsetStep:
+    """One decode step in place: run the model on `x` at `pos`, argmax into `x`, advance. Capturable."""
+
+    def __init__(self, model, cache, first, pos):
+        self.model, self.cache = model, cache
+        self.x, self.pos = first[:, None].clone(), pos.clone()
+        self.one = torch.ones(first.shape[0], 1, 1, 1, dtype=torch.bool, device=first.device)
+        self.logits = None
+
+    def __call__(self) -> None:
+        # the 4-D mask is passed through unread: each layer masks its rows by its slots
+        self.logits = self.model(input_ids=self.x, position_ids=self.pos, attention_mask=self.one,
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.x.copy_(self.logits.argmax(-1)[:, None])
+        self.pos.add_(1)
+        self.cache.slots.advance()
+
+
+@torch.no_grad()
+def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: set,
+                         graph: bool | None = None, trace: list | None = None):
+    """Each row's new tokens (cut after its first stop token) and its bytes when it ends (the
+    method's count of the row alone: kept prompt tokens and its decoded tokens but the last), for
+    a left-padded batch `ids` whose real tokens `mask` marks (None: all). `graph`: capture the
+    decode step (default: on a GPU). `trace`: gets each step's logits (tests)."""
+    from ..cache.subset_slots import SubsetSlots
+    B, width = ids.shape
+    device = ids.device
+    if mask is None:
+        pos = torch.arange(width, device=device).expand(B, -1)
+    else:   # as generate places a left-padded batch: a row's own positions, pads at 1
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    graph = device.type == "cuda" if graph is None else graph
+    cache = method.make_cache(model)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   cache_position=torch.arange(width, device=device), use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    if trace is not None:
+        trace.append(logits)
+    cache.slots = SubsetSlots(cache, max_new_tokens)
+    first = logits.argmax(-1)
+    new = [[t] for t in first.tolist()]
+    done = [t in stop for t, in new]
+    step = _SubsetStep(model, cache, first, pos[:, -1:] + 1)
+    replay = None
+    for k in range(1, max_new_tokens):
+        if all(done):
+            break
+        if replay is None and graph and k == 1:
+            replay = _capture(step) or step   # runs step k eagerly first
+        elif replay is None:
+            step()
+        else:
+            replay()
+        if trace is not None:
+            trace.append(step.logits.clone())
+        for r, t in enumerate(step.x[:, 0].tolist()):
+            if not done[r]:
+                new[r].append(t)
+                done[r] = t in stop
+    held = cache.slots.row_nbytes([len(n) - 1 for n in new])
+    return new, held

@@ -1,0 +1,118 @@
+"""SnapKV and PyramidKV through preallocated slots on a padded batch
+(`palu.eval.static_subset.greedy_static_subset`; opt-in with PALU_STATIC_DECODE=all until a GPU
+run checks its graphs). On the CPU the decode step runs eagerly on the tensors a GPU would
+capture, so these float64 tests pin what the graph replays: the method's own left-padded
+prefill, then one token a row a step at one slot, each row masked by the slots it keeps.
+Reference: each prompt alone through the method's own cache, token by token; the bytes and
+answers of the eager loop (the CPU's route)."""
+import copy
+
+import pytest
+import torch
+
+from palu.eval import generation, static_subset
+from palu.methods import build_method
+
+from tiny import PAD, PROMPTS, left_padded, tiny_llama
+
+CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
+        "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5, "window": 2, "kernel": 1}}
+
+
+def _installed(base, name):
+    method = build_method(CONF[name])
+    model = copy.deepcopy(base)
+    method.install(model)
+    model.generation_config.eos_token_id = None
+    return method, model
+
+
+@torch.no_grad()
+def _alone(model, method, prompt, n):
+    cache = method.make_cache(model)
+    logits = [model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(n - 1):
+        logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def gqa_base():
+    """4 query heads over 2 KV heads, 3 layers (PyramidKV's budgets differ by layer)."""
+    return tiny_llama(3, kv_heads=2, layers=3).double()
+
+
+@pytest.mark.parametrize("name", sorted(CONF))
+def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, name):
+    method, model = _installed(gqa_base, name)
+    assert static_subset.subset_unsupported(model, method) is None
+    ids, mask = left_padded(PROMPTS)
+    trace = []
+    new, held = static_subset.greedy_static_subset(model, method, ids, mask, 6, set(), graph=False, trace=trace)
+    assert len(trace) == 6
+    for row, prompt in enumerate(PROMPTS):
+        tokens, logits = _alone(model, method, prompt, 6)
+        assert new[row] == tokens, (name, row)
+        for k, ours in enumerate(trace):
+            diff = (ours[row] - logits[k]).abs().max().item()
+            assert diff < 1e-9, (name, row, k, diff)
+
+
+@pytest.mark.parametrize("name", sorted(CONF))
+def test_answers_and_bytes_equal_the_eager_loops(gqa_base, name):
+    """Through `generation`: each row's answer and bytes as the eager loop reports them, rows
+    stopping at their first stop token (their cache then holds fewer decoded tokens)."""
+    method, model = _installed(gqa_base, name)
+
+    class Tok:
+        pad_token_id, eos_token_id = PAD, None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    ids, mask = left_padded(PROMPTS)
+    free, _ = static_subset.greedy_static_subset(model, method, ids, mask, 8, set(), graph=False)
+    for stop in (set(), {free[1][2], free[2][0]}):
+        model.generation_config.eos_token_id = sorted(stop) or None
+        ours = generation._generate_static_subset(model, Tok(), method, PROMPTS, 8, ids, mask, stop)
+        assert ours == generation._generate(model, Tok(), method, PROMPTS, 8)   # the eager loop
+    lengths = [len(a.split()) for a, _ in ours]
+    assert lengths[1] <= 3 and lengths[2] == 1, lengths
+    assert len({n["stored"] for _, n in ours}) == 3   # rows keep different numbers of tokens
+
+
+def test_who_it_serves(gqa_base, monkeypatch):
+    for name in CONF:
+        method, model = _installed(gqa_base, name)
+        assert static_subset.subset_unsupported(model, method) is None
+    refused = {"streaming_llm": ({"sink": 2, "window": 4}, "evicts after the prefill"),
+               "tova": ({"budget": 4}, "evicts after the prefill"),
+               "h2o": ({"budget": 4, "window": 2}, "evicts after the prefill"),
+               "quest": ({"page": 2, "budget": 4}, "chooses what a decode step reads"),
+               "kivi": ({"bits": 2, "group": 4, "residual": 4}, "does not keep a token subset")}
+    for name, (conf, why) in refused.items():
+        method = build_method({"name": name, **conf})
+        model = copy.deepcopy(gqa_base)
+        method.install(model)
+        assert why in static_subset.subset_unsupported(model, method), name
+    monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
+    assert not static_subset.subset_enabled()        # opt-in
+    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
+    assert static_subset.subset_enabled()
+
+
+def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
+    method, model = _installed(gqa_base, "snapkv")
+    ids, mask = left_padded(PROMPTS)
+    _, _ = static_subset.greedy_static_subset(model, method, ids, mask, 2, set(), graph=False)
+    cache = method.make_cache(model)
+    with pytest.raises(ValueError, match="prefill the batch through the cache first"):
+        from palu.cache.subset_slots import SubsetSlots
+        SubsetSlots(cache, 4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    cache.slots = SubsetSlots(cache, 4)
+    with pytest.raises(ValueError, match="one token a row a step"):
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]] * 3), past_key_values=cache)
