@@ -1,5 +1,6 @@
 """SnapKV and PyramidKV through preallocated slots with replayed decode steps
-(`palu.eval.static_subset.greedy_static_subset`, opt-in with PALU_STATIC_DECODE=all) on a padded
+(`palu.eval.static_subset.greedy_static_subset`, on by default since this check passed on the H200,
+session 36: results/checks/h200-static-subset-check.json) on a padded
 batch of real prompts: the replayed graphs against the same steps run eagerly (logits, tokens),
 both against the eager loop every eviction answer takes today (tokens; the prefill is the same
 code, so only the decode attention differs: the dense-decode kernel against SDPA's masked one),

@@ -39,17 +39,17 @@ METHODS = {
     "atom-b4": {"name": "atom", "bits": 4},
     "turboquant-b3": {"name": "turboquant", "bits": 3},
     "kivi-b2": {"name": "kivi", "bits": 2},
-    "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
-    "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
+    "snapkv": {"name": "snapkv", "compression_ratio": 0.5, "decode": "palu"},   # the eager loop
+    "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5, "decode": "palu"},
     "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2048},
     "h2o": {"name": "h2o", "budget": 2048, "window": 64},
     "tova": {"name": "tova", "budget": 2048},
     "quest": {"name": "quest", "page": 16, "budget": 1024},
     "kivi-b4": {"name": "kivi", "bits": 4},
     "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
-    # SnapKV / PyramidKV decoding in preallocated slots, replayed (opt-in: PALU_STATIC_DECODE=all)
-    "snapkv-graph": {"name": "snapkv", "compression_ratio": 0.5, "decode": "all"},
-    "pyramidkv-graph": {"name": "pyramidkv", "compression_ratio": 0.5, "decode": "all"},
+    # SnapKV / PyramidKV decoding in preallocated slots, replayed (the default since session 36)
+    "snapkv-graph": {"name": "snapkv", "compression_ratio": 0.5},
+    "pyramidkv-graph": {"name": "pyramidkv", "compression_ratio": 0.5},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,

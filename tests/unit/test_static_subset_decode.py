@@ -1,6 +1,5 @@
 """SnapKV and PyramidKV through preallocated slots on a padded batch
-(`palu.eval.static_subset.greedy_static_subset`; opt-in with PALU_STATIC_DECODE=all until a GPU
-run checks its graphs). On the CPU the decode step runs eagerly on the tensors a GPU would
+(`palu.eval.static_subset.greedy_static_subset`; on by default since the H200 check of session 36). On the CPU the decode step runs eagerly on the tensors a GPU would
 capture, so these float64 tests pin what the graph replays: the method's own left-padded
 prefill, then one token a row a step at one slot, each row masked by the slots it keeps.
 Reference: each prompt alone through the method's own cache, token by token; the bytes and
@@ -97,9 +96,10 @@ def test_who_it_serves(gqa_base, monkeypatch):
         method.install(model)
         assert why in static_subset.subset_unsupported(model, method), name
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
-    assert not static_subset.subset_enabled()        # opt-in
-    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
-    assert static_subset.subset_enabled()
+    assert static_subset.subset_enabled()            # the default since the H200 check
+    for off in ("palu", "fp16", "0"):
+        monkeypatch.setenv("PALU_STATIC_DECODE", off)
+        assert not static_subset.subset_enabled(), off
 
 
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
