@@ -19,7 +19,6 @@ from ..cache.protocol import left_pads
 from ..cache.subset_cache import FILLER, SubsetKVCache, SubsetPolicy, gather_slots, real_slots, slots_of
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
 from .full_heads import FullHeads
-from .grouped_decode import grouped_decode
 
 
 class SubsetKVAttention(FullHeads):
@@ -41,8 +40,7 @@ class SubsetKVAttention(FullHeads):
         if cache.slots is not None:   # decode steps in preallocated slots, replayed as CUDA graphs
             if T != 1:
                 raise ValueError(f"{self.method.name}: a cache in preallocated slots takes one token a row a step")
-            keys, values, mask = cache.slots.write(self.layer_idx, k, v)
-            out = grouped_decode(q, keys, values, mask, self.softmax_scale())
+            out = cache.slots.attend(self.layer_idx, q, k, v, self.softmax_scale(), position_ids)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
         old_k, old_v, old_pos, seen = cache.held(self.layer_idx)
         lay = cache.layers[self.layer_idx]

@@ -69,6 +69,18 @@ class SubsetPolicy:
         that many (the batch is as wide as its fullest row). None: not known on the host."""
         return None
 
+    # decode steps in slots that drop one token a step (`cache/evicting_slots.py`): the most tokens a
+    # row's KV head holds after a step; None: no such rule (no eviction after the prefill, or state
+    # per token, as H2O's scores)
+    slot_cap: int | None = None
+
+    def slot_victim(self, votes: torch.Tensor, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """(B, H): the slot each row's KV head drops after a step that leaves it `slot_cap` + 1
+        tokens, from this step's attention averaged over the head's query heads `votes` (B, H, W),
+        the slots' `positions` and which slots hold a token `held` (B, H, W bool); the choice `keep`
+        makes for the row alone."""
+        raise NotImplementedError
+
     def map_rows(self, layer: int, fn) -> None:
         """Apply `fn` (a reordering, repetition or selection of the batch axis, dim 0) to any state
         the policy holds per row of `layer` (H2O's accumulated scores); default: none held."""

@@ -1,5 +1,5 @@
 """A padded batch's kept tokens in preallocated slots, for decode steps replayed as CUDA graphs
-(`eval/static_decode.greedy_static_subset`): the eviction methods that choose once, after the
+(`eval/static_subset.greedy_static_subset`): the eviction methods that choose once, after the
 prefill (SnapKV, PyramidKV), then only append.
 
 After the eager prefill each layer of the `SubsetKVCache` holds (B, H, n, d) keys and values,
@@ -12,6 +12,8 @@ Rows that end keep decoding (their later tokens are dropped by the caller)."""
 from __future__ import annotations
 
 import torch
+
+from ..attention.grouped_decode import grouped_decode
 
 
 class SubsetSlots:
@@ -46,6 +48,11 @@ class SubsetSlots:
         self.values[layer].index_copy_(2, slot, values)
         self.masks[layer].index_fill_(3, slot, True)
         return self.keys[layer], self.values[layer], self.masks[layer]
+
+    def attend(self, layer: int, queries, keys, values, scale: float, positions=None) -> torch.Tensor:
+        """One decode step of the layer: the new token written, the queries (B, nh, 1, d) attending
+        to every slot the row holds (query heads grouped by KV head): (B, nh, 1, d)."""
+        return grouped_decode(queries, *self.write(layer, keys, values), scale)
 
     def advance(self) -> None:
         self.step.add_(1)

@@ -147,7 +147,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     if static_decode.latent_enabled() and device.type == "cuda" and \
             static_decode.latent_unsupported(model, method) is None:
         return _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
-    if static_subset.subset_enabled() and device.type == "cuda" and \
+    if static_subset.subset_enabled(method) and device.type == "cuda" and \
             static_subset.subset_unsupported(model, method) is None:
         return _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
     cache = DynamicCache() if method is None else method.make_cache(model)

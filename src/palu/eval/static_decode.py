@@ -48,14 +48,15 @@ def _switch() -> str:
     value = os.environ.get("PALU_STATIC_DECODE", "1")
     if value not in SWITCH_VALUES:
         raise ValueError(f"PALU_STATIC_DECODE={value!r}: one of {sorted(SWITCH_VALUES)} "
-                         "(1: every graph path; palu: the plain model's and Palu's; fp16: the plain "
-                         "model's alone; 0: none)")
+                         "(1: every graph path checked on a GPU; all: also those not yet checked; palu: "
+                         "the plain model's and Palu's; fp16: the plain model's alone; 0: none)")
     return value
 
 
 # 1 also serves SnapKV / PyramidKV through their slots (static_subset.py; on since the H200 check
 # of session 36), palu keeps those on the eager loop
-SWITCH_VALUES = {"0", "1", "fp16", "palu"}
+# all: also StreamingLLM / TOVA through their evicting slots (not yet checked on a GPU)
+SWITCH_VALUES = {"0", "1", "fp16", "palu", "all"}
 
 
 def unsupported(model, method) -> str | None:
@@ -233,7 +234,7 @@ def latent_enabled() -> bool:
     `results/checks/h200-static-latent-check.json`): the replayed steps equal the same steps run
     eagerly, and the right-padded prefill equals each prompt alone in fp16, where the loop's
     left-padded one is 0.9-2.2 logits apart."""
-    return _switch() in ("1", "palu")
+    return _switch() in ("1", "palu", "all")
 
 
 def latent_unsupported(model, method) -> str | None:

@@ -20,12 +20,17 @@ import torch
 from .static_decode import _capture, _switch
 
 
-def subset_enabled() -> bool:
-    """On unless PALU_STATIC_DECODE is palu, fp16 or 0. Checked on the H200 (session 36,
-    `results/checks/h200-static-subset-check.json`): the replayed steps equal the same steps run
-    eagerly (logits 0.0 apart), and 14 of 16 rows keep the eager loop's tokens over 24 steps (the
-    decode attention is another kernel in fp16), for SnapKV and PyramidKV alike."""
-    return _switch() == "1"
+def subset_enabled(method) -> bool:
+    """SnapKV / PyramidKV (no eviction after the prefill): on unless PALU_STATIC_DECODE is palu, fp16
+    or 0. Checked on the H200 (session 36, `results/checks/h200-static-subset-check.json`): the
+    replayed steps equal the same steps run eagerly (logits 0.0 apart), and 14 of 16 rows keep the
+    eager loop's tokens over 24 steps (the decode attention is another kernel in fp16), for SnapKV
+    and PyramidKV alike. The methods that evict every step (StreamingLLM, TOVA: `EvictingSlots`)
+    only with PALU_STATIC_DECODE=all, until a GPU run checks them."""
+    switch = _switch()
+    if getattr(getattr(method, "policy", None), "keeps_after_prefill", False):
+        return switch == "all"
+    return switch in ("1", "all")
 
 
 def subset_unsupported(model, method) -> str | None:
@@ -38,10 +43,10 @@ def subset_unsupported(model, method) -> str | None:
     if type(cache) is not SubsetKVCache:
         return f"method {method.name!r} has a cache of its own ({type(cache).__name__})"
     policy = type(cache.policy)
-    if cache.policy.keeps_after_prefill:
-        return f"method {method.name!r} evicts after the prefill (every step)"
-    if policy.select is not SubsetPolicy.select or policy.visible is not SubsetPolicy.visible:
+    if policy.select is not SubsetPolicy.select:
         return f"method {method.name!r} chooses what a decode step reads"
+    if cache.policy.keeps_after_prefill and cache.policy.slot_cap is None:
+        return f"method {method.name!r} evicts after the prefill by a rule with state per token"
     if type(method).cache_nbytes is not TokenSubset.cache_nbytes:
         return f"method {method.name!r} counts its bytes its own way"
     return None
@@ -72,6 +77,7 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
     method's count of the row alone: kept prompt tokens and its decoded tokens but the last), for
     a left-padded batch `ids` whose real tokens `mask` marks (None: all). `graph`: capture the
     decode step (default: on a GPU). `trace`: gets each step's logits (tests)."""
+    from ..cache.evicting_slots import EvictingSlots
     from ..cache.subset_slots import SubsetSlots
     B, width = ids.shape
     device = ids.device
@@ -86,7 +92,9 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
                    logits_to_keep=1).logits[:, -1]
     if trace is not None:
         trace.append(logits)
-    cache.slots = SubsetSlots(cache, max_new_tokens)
+    policy = cache.policy
+    cache.slots = (EvictingSlots(cache, max_new_tokens, policy) if policy.keeps_after_prefill
+                   else SubsetSlots(cache, max_new_tokens))
     first = logits.argmax(-1)
     new = [[t] for t in first.tolist()]
     done = [t in stop for t, in new]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..cache.subset_cache import SubsetPolicy
 from .base import check_int
 from .token_subset import TokenSubset
@@ -24,6 +26,14 @@ class StreamingPolicy(SubsetPolicy):
     def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
         pos, seen = positions, seen.view(-1, 1, 1)
         return (pos >= 0) & ((pos < self.sink) | (pos > seen - self.window))
+
+    @property
+    def slot_cap(self) -> int:
+        return self.sink + self.window - 1   # what the next query may see, but itself
+
+    def slot_victim(self, votes, positions, held):
+        # the oldest token past the sinks (the one that leaves the window)
+        return positions.masked_fill(~held | (positions < self.sink), torch.iinfo(positions.dtype).max).argmin(-1)
 
     def padded_width(self, slots, seen):
         # a row that has seen n tokens holds its first `sink` and its last `window - 1`

@@ -32,6 +32,14 @@ class TovaPolicy(ScoredEviction):
         weights = ((last @ k.transpose(-1, -2)) * (scale if scale is not None else d ** -0.5)).softmax(-1)
         return weights[:, :, 0].view(B, H, n_rep, S).mean(2)                 # (B, H, S)
 
+    @property
+    def slot_cap(self) -> int:
+        return self.budget_tokens
+
+    def slot_victim(self, votes, positions, held):
+        # the token this step's query attends to least (`keep`'s top-k of budget + 1 drops it)
+        return votes.masked_fill(~held, float("inf")).argmin(-1)
+
     def padded_width(self, slots, seen):
         # a row keeps min(its tokens, budget); the fullest row holds `slots` tokens
         return min(slots, self.budget_tokens)

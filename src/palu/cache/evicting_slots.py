@@ -1,0 +1,90 @@
+"""A padded batch's kept tokens in a fixed number of slots per (row, KV head), one token dropped a
+step once a head holds its cap: decode steps of the methods that evict as they decode
+(StreamingLLM: the oldest token past the sinks; TOVA: the token the step's query attends to
+least), with one shape and no host read, so they replay as CUDA graphs
+(`eval/static_subset.greedy_static_subset`).
+
+After the method's own eager prefill a head holds at most `policy.slot_cap` tokens (rows holding
+fewer led by filler slots); here each layer gets min(cap + 1, held + new) slots. A step writes each
+(row, head)'s token into that head's free slot, attends to every slot the head holds (the
+softmax written out: its weights are TOVA's votes), then a head holding cap + 1 tokens drops
+`policy.slot_victim` (which becomes its free slot) and any other head's free slot is its first
+empty one. Same tokens held as the eager cache's `keep`, in another slot order (attention does
+not depend on it; the float64 tests compare with each prompt alone). Rows that end keep decoding
+(their later tokens are dropped by the caller; their bytes are counted at their end)."""
+from __future__ import annotations
+
+import torch
+
+from .subset_cache import FILLER
+
+
+class EvictingSlots:
+    def __init__(self, cache, new_tokens: int, policy):
+        self.policy, self.cap = policy, policy.slot_cap
+        self.keys, self.values, self.positions, self.held, self.free, self.counts = [], [], [], [], [], []
+        for i, lay in enumerate(cache.layers):
+            if lay.keys is None:
+                raise ValueError(f"layer {i} holds no tokens: prefill the batch through the cache first")
+            B, H, n, d = lay.keys.shape
+            if n > self.cap:
+                raise RuntimeError(f"layer {i} holds {n} slots after the prefill, more than its cap {self.cap}")
+            width = max(n + 1, min(self.cap + 1, n + new_tokens))
+            held = torch.zeros(B, H, width, dtype=torch.bool, device=lay.keys.device)
+            held[..., :n] = lay.positions >= 0
+            positions = torch.full((B, H, width), FILLER, dtype=lay.positions.dtype, device=lay.keys.device)
+            positions[..., :n] = lay.positions
+            for src, out in ((lay.keys, self.keys), (lay.values, self.values)):
+                buf = src.new_zeros(B, H, width, d)
+                buf[:, :, :n] = src
+                out.append(buf)
+            self.positions.append(positions)
+            self.held.append(held)
+            self.free.append(self._first_empty(held))
+            self.counts.append(held[:, 0].sum(-1))                                # (B,) tokens kept
+        self.position_nbytes = cache.layers[0].positions.element_size()
+
+    @staticmethod
+    def _first_empty(held: torch.Tensor) -> torch.Tensor:
+        return (~held).to(torch.int8).argmax(-1)                                  # (B, H)
+
+    def attend(self, layer: int, queries, keys, values, scale: float, positions) -> torch.Tensor:
+        """One decode step of the layer: each head's new token (B, H, 1, d) at `positions` (B, 1)
+        written to its free slot, the queries (B, nh, 1, d) attending to what the head holds, then
+        the head's drop: (B, nh, 1, d)."""
+        K, V, pos, held, free = (self.keys[layer], self.values[layer], self.positions[layer],
+                                 self.held[layer], self.free[layer])
+        B, H, W, d = K.shape
+        slot = free[..., None]                                                     # (B, H, 1)
+        K.scatter_(2, slot[..., None].expand(B, H, 1, d), keys)
+        V.scatter_(2, slot[..., None].expand(B, H, 1, d), values)
+        pos.scatter_(2, slot, positions.view(B, 1, 1).expand(B, H, 1).to(pos.dtype))
+        held.scatter_(2, slot, True)
+        grouped = queries.reshape(B, H, -1, d)                                     # (B, H, rep, d)
+        logits = (grouped @ K.transpose(-1, -2)) * scale
+        weights = logits.masked_fill(~held[:, :, None], float("-inf")).softmax(-1)
+        out = (weights @ V).reshape(B, -1, 1, d)
+        over = held.sum(-1) > self.cap                                             # (B, H)
+        victim = self.policy.slot_victim(weights.mean(2), pos, held)
+        dropped = held.gather(2, victim[..., None]) & ~over[..., None]            # unchanged unless over
+        held.scatter_(2, victim[..., None], dropped)
+        free.copy_(torch.where(over, victim, self._first_empty(held)))
+        return out
+
+    def advance(self) -> None:
+        """Nothing: each head's next slot is found on the device."""
+
+    def row_nbytes(self, new: list[int]) -> list[dict]:
+        """Each row's bytes as the method's cache counts them when the row has decoded `new[b]`
+        tokens into it: a head that held c tokens holds min(c + new[b], cap) (a step adds one and,
+        past the cap, drops one), keys and values in the model's dtype, an int32 position per KV
+        head as metadata (`SubsetKVCache.nbytes` of the row alone)."""
+        kept = torch.stack(self.counts).tolist()                                   # (layers, B)
+        per_data = self.keys[0].shape[1] * self.keys[0].shape[3] * self.keys[0].element_size() * 2
+        per_meta = self.keys[0].shape[1] * self.position_nbytes
+        out = []
+        for b, extra in enumerate(new):
+            tokens = sum(min(layer[b] + extra, self.cap) for layer in kept)
+            out.append({"data": tokens * per_data, "metadata": tokens * per_meta,
+                        "total": tokens * (per_data + per_meta)})
+        return out
