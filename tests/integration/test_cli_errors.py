@@ -1,6 +1,8 @@
 """Bad input through the entry points: a clear message, a non-zero exit, and no output file."""
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +19,8 @@ def _run(step, *overrides, tmp_path):
     return proc, out
 
 
-@pytest.mark.parametrize("step, overrides, message", [
+# (step, overrides, the message it must print)
+BAD_INPUTS = [
     ("evaluate", ["model=no-such-model"], "Could not find 'model/no-such-model'"),
     ("evaluate", ["data.seqln=128"], "seqln"),
     ("evaluate", ["data.seqlen=0"], "data.seqlen=0 must be a positive integer"),
@@ -52,15 +55,48 @@ def _run(step, *overrides, tmp_path):
     ("recover", ["recovery.rank=8"], "recovery.checkpoint=<Palu checkpoint folder> is required"),
     ("recover", ["recovery.checkpoint=/nonexistent"], "is not a checkpoint folder"),
     ("recover", ["recovery.steps=0"], "recovery.steps=0 must be a positive integer"),
-])
-def test_bad_input_fails_early_without_output(prepared_model, tmp_path, step, overrides, message):
+]
+
+
+def _argv(case_dir, overrides):
     if "model.id=" in overrides[0]:
         overrides = [*overrides, "model.name=elsewhere"]  # else the prepared copy would be used
-    proc, out = _run(step, *overrides, tmp_path=tmp_path)
+    return [f"paths.work={TEST_WORK}", "tracking=disabled", f"paths.results={case_dir}",
+            f"out={case_dir / 'out.json'}", "progress=false", *overrides]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(prepared_model, tmp_path_factory):
+    """Every BAD_INPUTS case through its entry point's `main`, all in one subprocess
+    (tests/integration/cli_runner.py), each with a results folder of its own."""
+    root = tmp_path_factory.mktemp("bad-inputs")
+    cases = []
+    for i, (step, overrides, _) in enumerate(BAD_INPUTS):
+        case_dir = root / f"case{i}"
+        case_dir.mkdir()
+        cases.append({"step": step, "argv": _argv(case_dir, overrides), "dir": str(case_dir)})
+    (root / "cases.json").write_text(json.dumps(cases))
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("cli_runner.py")), str(root / "cases.json")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("index", range(len(BAD_INPUTS)), ids=[f"{s}-{o[0]}" for s, o, _ in BAD_INPUTS])
+def test_bad_input_fails_early_without_output(bad_input_runs, index):
+    step, overrides, message = BAD_INPUTS[index]
+    run = bad_input_runs[index]
+    assert run["code"] != 0, (step, overrides)
+    assert message in run["output"], run["output"][-2000:]
+    assert run["left"] == [], run["left"]   # no output file, nothing else either
+
+
+def test_a_bad_input_exits_non_zero_as_a_process(prepared_model, tmp_path):
+    """The same refusal as a process of its own: the exit status a shell or Snakemake sees."""
+    proc, out = _run("evaluate", "data.seqlen=0", tmp_path=tmp_path)
     assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout, proc.stderr[-2000:]
-    assert not out.exists()
-    assert list(tmp_path.iterdir()) == []
+    assert "data.seqlen=0 must be a positive integer" in proc.stderr + proc.stdout
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 def test_mismatched_checkpoint_is_refused(prepared_model, tmp_path):
