@@ -8,7 +8,7 @@ then one batch's time on each path. What a GPU lease checks before the path is s
 default; exits 3 when `_verdict` says it may not be. Writes OUT/static-subset-check.json.
 
   python benchmarks/experiments/static_subset_check.py OUT_DIR MODEL TEXT \
-      [methods=snapkv,pyramidkv,tova,streaming_llm] [batch=64] [length=4032] [new=64] [device=cuda] [dtype=float16]
+      [methods=snapkv,pyramidkv,tova,streaming_llm,quest] [batch=64] [length=4032] [new=64] [device=cuda] [dtype=float16]
 
 On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of the script).
 """
@@ -29,7 +29,8 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
         "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
         # evicting every step (cache/evicting_slots.py; budgets below the check's 1K prompts, so
         # they evict from the first decode step)
-        "tova": {"name": "tova", "budget": 512}, "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 508}}
+        "tova": {"name": "tova", "budget": 512}, "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 508},
+        "quest": {"name": "quest", "page": 16, "budget": 256}}
 # replayed steps are the eager steps' kernels: equal tokens, logits within REPLAY_TOL; against the
 # eager loop (another attention kernel in fp16) at least LOOP_SHARE of the rows equal
 REPLAY_TOL, LOOP_SHARE = 1e-2, 0.75

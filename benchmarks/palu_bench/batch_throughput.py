@@ -50,9 +50,11 @@ METHODS = {
     # SnapKV / PyramidKV decoding in preallocated slots, replayed (the default since session 36)
     "snapkv-graph": {"name": "snapkv", "compression_ratio": 0.5},
     "pyramidkv-graph": {"name": "pyramidkv", "compression_ratio": 0.5},
-    # StreamingLLM / TOVA in evicting slots, replayed (opt-in until checked: PALU_STATIC_DECODE=all)
+    # StreamingLLM / TOVA in evicting slots, Quest selecting in slots, replayed (opt-in until
+    # checked on a GPU: PALU_STATIC_DECODE=all)
     "streaming_llm-graph": {"name": "streaming_llm", "sink": 4, "window": 2048, "decode": "all"},
     "tova-graph": {"name": "tova", "budget": 2048, "decode": "all"},
+    "quest-graph": {"name": "quest", "page": 16, "budget": 1024, "decode": "all"},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,

@@ -19,7 +19,9 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "ker
         # evicting as they decode (cache/evicting_slots.py): caps of 5 tokens a head, below every
         # row's prompt + answer (the 3-token row grows into its cap while decoding)
         "tova": {"name": "tova", "budget": 5},
-        "streaming_llm": {"name": "streaming_llm", "sink": 2, "window": 4}}
+        "streaming_llm": {"name": "streaming_llm", "sink": 2, "window": 4},
+        # selecting: pages of 2 tokens, 4 read a step (cache/subset_slots.py, policy.select_rows)
+        "quest": {"name": "quest", "page": 2, "budget": 4}}
 
 
 def _installed(base, name):
@@ -83,7 +85,7 @@ def test_answers_and_bytes_equal_the_eager_loops(gqa_base, name):
     lengths = [len(a.split()) for a, _ in ours]
     assert lengths[1] <= 3 and lengths[2] == 1, lengths
     stored = {n["stored"] for _, n in ours}
-    assert len(stored) == (3 if name in ("snapkv", "pyramidkv") else 2), stored   # capped rows hold alike
+    assert len(stored) == (2 if name in ("tova", "streaming_llm") else 3), stored   # capped rows hold alike
 
 
 def test_who_it_serves(gqa_base, monkeypatch):
@@ -91,7 +93,6 @@ def test_who_it_serves(gqa_base, monkeypatch):
         method, model = _installed(gqa_base, name)
         assert static_subset.subset_unsupported(model, method) is None
     refused = {"h2o": ({"budget": 4, "window": 2}, "a rule with state per token"),
-               "quest": ({"page": 2, "budget": 4}, "chooses what a decode step reads"),
                "kivi": ({"bits": 2, "group": 4, "residual": 4}, "does not keep a token subset")}
     for name, (conf, why) in refused.items():
         method = build_method({"name": name, **conf})
@@ -100,9 +101,11 @@ def test_who_it_serves(gqa_base, monkeypatch):
         assert why in static_subset.subset_unsupported(model, method), name
     snap, _ = _installed(gqa_base, "snapkv")
     tova, _ = _installed(gqa_base, "tova")
+    quest, _ = _installed(gqa_base, "quest")
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
     assert static_subset.subset_enabled(snap)        # the default since the H200 check
     assert not static_subset.subset_enabled(tova)    # evicting every step: opt-in until a GPU checks it
+    assert not static_subset.subset_enabled(quest)   # selecting: the same
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
     assert static_subset.subset_enabled(snap) and static_subset.subset_enabled(tova)
     for off in ("palu", "fp16", "0"):

@@ -42,7 +42,6 @@ class EvictingSlots:
             self.held.append(held)
             self.free.append(self._first_empty(held))
             self.counts.append(held[:, 0].sum(-1))                                # (B,) tokens kept
-        self.position_nbytes = cache.layers[0].positions.element_size()
 
     @staticmethod
     def _first_empty(held: torch.Tensor) -> torch.Tensor:
@@ -74,17 +73,8 @@ class EvictingSlots:
     def advance(self) -> None:
         """Nothing: each head's next slot is found on the device."""
 
-    def row_nbytes(self, new: list[int]) -> list[dict]:
-        """Each row's bytes as the method's cache counts them when the row has decoded `new[b]`
-        tokens into it: a head that held c tokens holds min(c + new[b], cap) (a step adds one and,
-        past the cap, drops one), keys and values in the model's dtype, an int32 position per KV
-        head as metadata (`SubsetKVCache.nbytes` of the row alone)."""
+    def row_tokens(self, new: list[int]) -> list[list[int]]:
+        """Each row's tokens per layer once it has decoded `new[b]` tokens into the cache: a head
+        that held c tokens holds min(c + new[b], cap) (a step adds one and, past the cap, drops one)."""
         kept = torch.stack(self.counts).tolist()                                   # (layers, B)
-        per_data = self.keys[0].shape[1] * self.keys[0].shape[3] * self.keys[0].element_size() * 2
-        per_meta = self.keys[0].shape[1] * self.position_nbytes
-        out = []
-        for b, extra in enumerate(new):
-            tokens = sum(min(layer[b] + extra, self.cap) for layer in kept)
-            out.append({"data": tokens * per_data, "metadata": tokens * per_meta,
-                        "total": tokens * (per_data + per_meta)})
-        return out
+        return [[min(layer[b] + extra, self.cap) for layer in kept] for b, extra in enumerate(new)]

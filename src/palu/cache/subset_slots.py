@@ -1,6 +1,7 @@
 """A padded batch's kept tokens in preallocated slots, for decode steps replayed as CUDA graphs
 (`eval/static_subset.greedy_static_subset`): the eviction methods that choose once, after the
-prefill (SnapKV, PyramidKV), then only append.
+prefill (SnapKV, PyramidKV), then only append, and the selection methods that keep every token
+and choose what each step reads (Quest: `policy.select_rows` over the buffer, on the device).
 
 After the eager prefill each layer of the `SubsetKVCache` holds (B, H, n, d) keys and values,
 rows that keep fewer tokens than the fullest led by filler slots (position FILLER). Here each
@@ -12,12 +13,13 @@ Rows that end keep decoding (their later tokens are dropped by the caller)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..attention.grouped_decode import grouped_decode
 
 
 class SubsetSlots:
-    def __init__(self, cache, new_tokens: int):
+    def __init__(self, cache, new_tokens: int, policy=None):
         self.keys, self.values, self.masks, self.widths, self.counts = [], [], [], [], []
         for i, lay in enumerate(cache.layers):
             if lay.keys is None:
@@ -37,8 +39,14 @@ class SubsetSlots:
             self.counts.append(real[:, 0].sum(-1))                            # (B,) tokens kept
         device = cache.layers[0].keys.device
         self.step = torch.zeros(1, dtype=torch.long, device=device)   # advanced on the device
+        # a selecting policy (Quest) reads a subset each step: each row's tokens are the slots
+        # [pad, width + step] (nothing evicted, so the prefill's left pads lead every layer)
+        self.policy = policy if policy is not None and getattr(policy, "select_rows", None) else None
+        if self.policy is not None:
+            pads = cache.layers[0].pads
+            self.pads = (torch.zeros(len(self.counts[0]), dtype=torch.long, device=device) if pads is None
+                         else pads.to(device=device, dtype=torch.long))
         self.new_tokens = new_tokens
-        self.position_nbytes = cache.layers[0].positions.element_size()
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Every row's new token (B, H, 1, d) at the layer's next slot, its column opened: the
@@ -52,23 +60,20 @@ class SubsetSlots:
     def attend(self, layer: int, queries, keys, values, scale: float, positions=None) -> torch.Tensor:
         """One decode step of the layer: the new token written, the queries (B, nh, 1, d) attending
         to every slot the row holds (query heads grouped by KV head): (B, nh, 1, d)."""
-        return grouped_decode(queries, *self.write(layer, keys, values), scale)
+        keys, values, mask = self.write(layer, keys, values)
+        if self.policy is None:
+            return grouped_decode(queries, keys, values, mask, scale)
+        held = self.step + (self.widths[layer] + 1) - self.pads                      # (B,) tokens a row holds
+        mask = mask & self.policy.select_rows(queries, keys, self.pads, held)[:, :, None]   # (B, H, 1, W)
+        B, nh, _, d = queries.shape
+        grouped = queries.reshape(B, keys.shape[1], nh // keys.shape[1], d)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(B, nh, 1, d)
 
     def advance(self) -> None:
         self.step.add_(1)
 
-    def row_nbytes(self, new: list[int]) -> list[dict]:
-        """Each row's bytes as the method's cache counts them when the row holds its kept prompt
-        tokens and `new[b]` decoded ones: keys and values in the model's dtype, an int32 position
-        per KV head as metadata (`SubsetKVCache.nbytes` of the row alone)."""
-        kept = torch.stack(self.counts).sum(0).tolist()          # one host read: tokens over layers
-        per_data = self.keys[0].shape[1] * self.keys[0].shape[3] * self.keys[0].element_size() * 2
-        per_meta = self.keys[0].shape[1] * self.position_nbytes
-        layers = len(self.keys)
-        out = []
-        for b, extra in enumerate(new):
-            tokens = kept[b] + layers * extra
-            data, meta = tokens * per_data, tokens * per_meta
-            out.append({"data": data, "metadata": meta, "total": data + meta})
-        return out
-
+    def row_tokens(self, new: list[int]) -> list[list[int]]:
+        """Each row's tokens per layer once it has decoded `new[b]` tokens into the cache."""
+        kept = torch.stack(self.counts).tolist()                                   # (layers, B)
+        return [[layer[b] + extra for layer in kept] for b, extra in enumerate(new)]

@@ -187,7 +187,8 @@ def _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, i
     its own tokens' as the method counts them (`SubsetSlots.row_nbytes`)."""
     new, held = static_subset.greedy_static_subset(model, method, ids, mask, max_new_tokens, stop)
     return [(tokenizer.decode(n, skip_special_tokens=True),
-             {"stored": h["total"], "read_per_step": h["total"], "tokens": len(p) + len(n) - 1})
+             {"stored": int(round(h["total"])), "read_per_step": int(round(h.get("read_per_step", h["total"]))),
+              "tokens": len(p) + len(n) - 1})
             for p, n, h in zip(prompts, new, held)]
 
 

@@ -1,6 +1,7 @@
-"""Greedy decoding of a left-padded batch through an eviction method that chooses its tokens once,
-after the prefill (SnapKV, PyramidKV), with each decode step captured once as a CUDA graph and
-replayed (issue 49, item 4).
+"""Greedy decoding of a left-padded batch through a token-subset method with each decode step
+captured once as a CUDA graph and replayed (issue 49, item 4): SnapKV and PyramidKV (choosing once,
+after the prefill: `cache/subset_slots.py`), StreamingLLM and TOVA (dropping a token a step:
+`cache/evicting_slots.py`), Quest (choosing the pages each step reads, over the same slots).
 
 The prefill is the method's own, eager and left-padded (`SubsetKVAttention`: each row scores and
 keeps its own tokens, as its prompt alone would). Then the kept tokens move into preallocated
@@ -26,10 +27,11 @@ def subset_enabled(method) -> bool:
     replayed steps equal the same steps run eagerly (logits 0.0 apart), and 14 of 16 rows keep the
     eager loop's tokens over 24 steps (the decode attention is another kernel in fp16), for SnapKV
     and PyramidKV alike. The methods that evict every step (StreamingLLM, TOVA: `EvictingSlots`)
-    only with PALU_STATIC_DECODE=all, until a GPU run checks them."""
+    and Quest (selecting each step) only with PALU_STATIC_DECODE=all, until a GPU run checks them."""
     switch = _switch()
-    if getattr(getattr(method, "policy", None), "keeps_after_prefill", False):
-        return switch == "all"
+    policy = getattr(method, "policy", None)
+    if getattr(policy, "keeps_after_prefill", False) or getattr(policy, "select_rows", None):
+        return switch == "all"   # evicting every step, or selecting: not yet checked on a GPU
     return switch in ("1", "all")
 
 
@@ -43,12 +45,10 @@ def subset_unsupported(model, method) -> str | None:
     if type(cache) is not SubsetKVCache:
         return f"method {method.name!r} has a cache of its own ({type(cache).__name__})"
     policy = type(cache.policy)
-    if policy.select is not SubsetPolicy.select:
-        return f"method {method.name!r} chooses what a decode step reads"
+    if policy.select is not SubsetPolicy.select and getattr(cache.policy, "select_rows", None) is None:
+        return f"method {method.name!r} chooses what a decode step reads by a rule with no batch form"
     if cache.policy.keeps_after_prefill and cache.policy.slot_cap is None:
         return f"method {method.name!r} evicts after the prefill by a rule with state per token"
-    if type(method).cache_nbytes is not TokenSubset.cache_nbytes:
-        return f"method {method.name!r} counts its bytes its own way"
     return None
 
 
@@ -94,7 +94,7 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
         trace.append(logits)
     policy = cache.policy
     cache.slots = (EvictingSlots(cache, max_new_tokens, policy) if policy.keeps_after_prefill
-                   else SubsetSlots(cache, max_new_tokens))
+                   else SubsetSlots(cache, max_new_tokens, policy))
     first = logits.argmax(-1)
     new = [[t] for t in first.tolist()]
     done = [t in stop for t, in new]
@@ -115,5 +115,18 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
             if not done[r]:
                 new[r].append(t)
                 done[r] = t in stop
-    held = cache.slots.row_nbytes([len(n) - 1 for n in new])
+    held = [row_nbytes(method, cache, tokens) for tokens in cache.slots.row_tokens([len(n) - 1 for n in new])]
     return new, held
+
+
+def row_nbytes(method, cache, tokens: list[int]) -> dict:
+    """The method's own count (`cache_nbytes`) of a row alone that holds `tokens[l]` tokens in layer
+    l, as the batch cache's layers hold them (dtype, KV heads, head width, positions), on the meta
+    device: shapes only, nothing allocated."""
+    from ..cache.subset_cache import SubsetKVCache
+    row = SubsetKVCache(cache.policy, len(cache.layers), cache.owner)
+    for i, (lay, n) in enumerate(zip(cache.layers, tokens)):
+        _, H, _, d = lay.keys.shape
+        kv = torch.empty(1, H, n, d, dtype=lay.keys.dtype, device="meta")
+        row.store(i, kv, kv, torch.empty(1, H, n, dtype=lay.positions.dtype, device="meta"), n)
+    return method.cache_nbytes(row)

@@ -33,8 +33,12 @@ class QuestPolicy(SubsetPolicy):
         """Every row at once: each row's tokens shifted to slot 0 (so its pages start at its first
         token, as alone), its pages scored over its own tokens, then shifted back; a row within the
         budget reads all its tokens."""
+        return self.select_rows(queries, keys, pads, keys.shape[2] - pads.to(torch.long))
+
+    def select_rows(self, queries, keys, pads, held):
+        """`select_padded` where row b's tokens are the slots [pads[b], pads[b] + held[b]) of a
+        buffer that may be wider (preallocated slots, `cache/subset_slots.py`): (B, H, S) bool."""
         B, H, S, d = keys.shape
-        held = S - pads.to(torch.long)                                        # (B,) each row's tokens
         t = torch.arange(S, device=keys.device)
         own = (pads.to(torch.long)[:, None] + t).clamp_max(S - 1)              # row-aligned slot t
         aligned = keys.gather(2, own[:, None, :, None].expand(B, H, S, d))
