@@ -14,6 +14,7 @@ On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of 
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -120,15 +121,25 @@ def main(out_dir, model_path, text_path, *opts):
                  "eager-loop": lambda n: generation._decode_dropping_ended_rows(
                      model, method.make_cache(model), ids, mask, n, set())}
         for path_name, fn in paths.items():
+            held_before = None
             if device == "cuda":
+                # session 36 on the H200: the eager loop's timing ran out of memory after the two
+                # slot paths (in batch_throughput the same loop peaked at 9.8 GiB): what the earlier
+                # paths still hold is recorded, after a collection, to tell a leak from a peak
+                gc.collect()
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+                held_before = {"allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                               "reserved_gib": torch.cuda.memory_reserved() / 2**30}
             try:
                 fn(2)   # warm-up: kernel selection, graph capture, allocator growth
                 pre, _ = _timed(lambda: fn(1), device)
                 full, _ = _timed(lambda: fn(new), device)
             except torch.OutOfMemoryError:
-                result["timing"].append({"method": name, "path": path_name, "batch": batch, "oom": True})
+                result["timing"].append({"method": name, "path": path_name, "batch": batch, "oom": True,
+                                         "held_before": held_before,
+                                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                   "held_before": held_before})
                 save()
                 continue
             row = {"method": name, "path": path_name, "batch": batch, "prefill_s": pre, "total_s": full,
