@@ -38,6 +38,8 @@ class EvictingSlots:
                 buf = src.new_zeros(B, H, width, d)
                 buf[:, :, :n] = src
                 out.append(buf)
+            # the layer keeps views of its slots, not a second copy of the kept tokens
+            lay.keys, lay.values = self.keys[-1][:, :, :n], self.values[-1][:, :, :n]
             self.positions.append(positions)
             self.held.append(held)
             self.free.append(self._first_empty(held))

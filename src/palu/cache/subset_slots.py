@@ -34,6 +34,8 @@ class SubsetSlots:
                 buf = held.new_zeros(B, H, n + new_tokens, d)
                 buf[:, :, :n] = held
                 out.append(buf)
+            # the layer keeps views of its slots, not a second copy of the kept tokens
+            lay.keys, lay.values = self.keys[-1][:, :, :n], self.values[-1][:, :, :n]
             self.masks.append(mask)
             self.widths.append(n)
             self.counts.append(real[:, 0].sum(-1))                            # (B,) tokens kept
