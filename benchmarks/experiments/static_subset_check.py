@@ -25,6 +25,7 @@ import torch
 import palu
 from palu.eval import generation, static_subset
 from palu.methods import build_method
+from static_latent_check import _batch, _prompts, _timed   # the same prompts and timing (a sibling script)
 
 CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
         "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
@@ -35,26 +36,6 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
 # replayed steps are the eager steps' kernels: equal tokens, logits within REPLAY_TOL; against the
 # eager loop (another attention kernel in fp16) at least LOOP_SHARE of the rows equal
 REPLAY_TOL, LOOP_SHARE = 1e-2, 0.75
-
-
-def _prompts(ids, count, length):
-    return [ids[i * 331:i * 331 + length - (i * 97) % max(1, length // 8)] for i in range(count)]
-
-
-def _batch(prompts, pad, device):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    return ids, mask
-
-
-def _timed(fn, device):
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - t, out
 
 
 def check(model, method, ids, mask, graph: bool) -> dict:

@@ -206,26 +206,34 @@ def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool 
         decode_mask = torch.zeros(B, 1, 1, total, dtype=torch.bool, device=device)
         decode_mask[:, 0, 0, :width] = steps < lengths[:, None]
         first = logits.argmax(-1)
-        new = [[t] for t in first.tolist()]
-        done = [t in stop for t, in new]
         step = _Step(model, cache, first, lengths[:, None].clone(), width, decode_mask, True)
-        replay = None
-        for k in range(1, max_new_tokens):
-            if all(done):
-                break
-            if replay is None and graph and k == 1:
-                replay = _capture(step) or step   # runs step k eagerly first
-            elif replay is None:
-                step()
-            else:
-                replay()
-            if trace is not None:
-                trace.append(step.logits.clone())
-            for r, t in enumerate(step.tok.tolist()):
-                if not done[r]:
-                    new[r].append(t)
-                    done[r] = t in stop
+        new = replay_steps(step, lambda: step.tok, first, max_new_tokens, stop, graph, trace)
     return new, cache
+
+
+def replay_steps(step, tokens, first, max_new_tokens: int, stop: set, graph: bool, trace: list | None):
+    """Each row's new tokens from `first` on: `step()` run once eagerly and captured (`graph`), then
+    replayed, until every row has stopped or `max_new_tokens` are out; `tokens()` the step's new
+    tokens (B,), `step.logits` its logits (appended to `trace`)."""
+    new = [[t] for t in first.tolist()]
+    done = [t in stop for t, in new]
+    replay = None
+    for k in range(1, max_new_tokens):
+        if all(done):
+            break
+        if replay is None and graph and k == 1:
+            replay = _capture(step) or step   # runs step k eagerly first
+        elif replay is None:
+            step()
+        else:
+            replay()
+        if trace is not None:
+            trace.append(step.logits.clone())
+        for r, t in enumerate(tokens().tolist()):
+            if not done[r]:
+                new[r].append(t)
+                done[r] = t in stop
+    return new
 
 
 def latent_enabled() -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .static_decode import _capture, _switch
+from .static_decode import _switch, replay_steps
 
 
 def subset_enabled(method) -> bool:
@@ -96,25 +96,8 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
     cache.slots = (EvictingSlots(cache, max_new_tokens, policy) if policy.keeps_after_prefill
                    else SubsetSlots(cache, max_new_tokens, policy))
     first = logits.argmax(-1)
-    new = [[t] for t in first.tolist()]
-    done = [t in stop for t, in new]
     step = _SubsetStep(model, cache, first, pos[:, -1:] + 1)
-    replay = None
-    for k in range(1, max_new_tokens):
-        if all(done):
-            break
-        if replay is None and graph and k == 1:
-            replay = _capture(step) or step   # runs step k eagerly first
-        elif replay is None:
-            step()
-        else:
-            replay()
-        if trace is not None:
-            trace.append(step.logits.clone())
-        for r, t in enumerate(step.x[:, 0].tolist()):
-            if not done[r]:
-                new[r].append(t)
-                done[r] = t in stop
+    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
     held = [row_nbytes(method, cache, tokens) for tokens in cache.slots.row_tokens([len(n) - 1 for n in new])]
     return new, held
 
