@@ -183,3 +183,23 @@ def left_padded(prompts, pad: int = PAD):
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
+
+
+def fitted_state(name: str, model, path, calib=None):
+    """A fitted method's state (`method.state`) for `model`, saved at `path`: KVQuant's uniform
+    3-bit codebooks or KIVI's value scales, on a few random windows. Returns the folder."""
+    import copy
+
+    import torch
+    calib = torch.randint(1, 97, (2, 16), generator=torch.Generator().manual_seed(3)) if calib is None else calib
+    if name == "kvquant":
+        from palu.calib.kvquant import fit_kvquant
+        state = fit_kvquant(copy.deepcopy(model), calib, bits=3, weighting="uniform", tokens_per_window=8,
+                            progress=False)
+    elif name == "kivi_vscale":
+        from palu.calib.value_scales import fit_kivi_vscale
+        state = fit_kivi_vscale(copy.deepcopy(model), calib, alpha=0.5, tokens_per_window=8, progress=False)
+    else:
+        raise ValueError(f"no tiny fitted state for method {name!r}: add one to tests/tiny.py")
+    state.save(path)
+    return str(path)

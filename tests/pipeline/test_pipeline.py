@@ -113,7 +113,8 @@ def _check_wandb_runs(wandb_dir, results):
     the calibration through the checkpoint and the ranks; the collect runs hold the tables."""
     from palu.pipeline.cli.common import STEP_GROUPS
     from palu.pipeline.tracking import format_lineage, lineage, read_runs
-    from palu.pipeline.tracking.artifacts import KINDS
+    from palu.pipeline.tracking.artifacts import kinds
+    KINDS = kinds()
     runs = read_runs(wandb_dir)
     jobs = {}
     for run in runs:

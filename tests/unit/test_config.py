@@ -10,7 +10,7 @@ from palu.pipeline.config import CONF_DIR, ConfigError, method_defaults, registe
 
 register()
 
-GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "kvquant", "zeroshot",
+GROUPS = ["model", "method", "data", "calibration", "fisher", "palu", "generate", "zeroshot",
           "longcontext", "tracking", "paths"]
 
 
@@ -20,15 +20,11 @@ def _compose(overrides=()):
 
 
 @pytest.fixture(scope="module")
-def kvquant_state(tmp_path_factory):
-    import torch
-
-    from palu.calib.kvquant import fit_kvquant
-    from tiny import tiny_llama
-    path = tmp_path_factory.mktemp("kvquant") / "state"
-    fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",
-                tokens_per_window=8, progress=False).save(path)
-    return str(path)
+def fitted_states(tmp_path_factory):
+    """A state folder for every fitted method (its `method.state`)."""
+    from palu.pipeline.fitted import FITTED
+    from tiny import fitted_state, tiny_llama
+    return {kind: fitted_state(kind, tiny_llama(0), tmp_path_factory.mktemp(kind) / "state") for kind in FITTED}
 
 
 def _options(group):
@@ -41,12 +37,12 @@ def _options(group):
 
 
 @pytest.mark.parametrize("group", GROUPS)
-def test_every_option_of_every_group_composes_and_validates(group, kvquant_state):
+def test_every_option_of_every_group_composes_and_validates(group, fitted_states):
     options = _options(group)
     assert options
     needs = {"palu": ["method.checkpoint=ckpt"], "palu_select": ["method.checkpoint=ckpt"],
              "palu_snapkv": ["method.checkpoint=ckpt"], "palu_tova": ["method.checkpoint=ckpt"],
-             "kvquant": [f"method.state={kvquant_state}"]}
+             **{kind: [f"method.state={state}"] for kind, state in fitted_states.items()}}
     for option in options:
         # a method that needs a checkpoint / fitted state gets one; every other group composes as it is
         extra = needs.get(option, []) if group == "method" else []
@@ -58,6 +54,22 @@ def test_every_option_of_every_group_composes_and_validates(group, kvquant_state
         for key, value in own.items():
             if key != "defaults" and value is not None and not str(value).startswith(("???", "${")):
                 assert cfg[group][key] == value, (group, option, key)
+
+
+def test_a_fitted_methods_settings_come_from_its_spec_and_take_overrides():
+    """A fitted method's settings group (`kvquant.*`) is its spec's dataclass (palu.pipeline.fitted),
+    with no line of conf/: defaults from the dataclass, overrides checked by the spec."""
+    from palu.pipeline.fitted import FITTED
+    from palu.pipeline.specs import defaults_of
+    cfg = validate(_compose())
+    assert set(FITTED) == {"kvquant", "kivi_vscale"} and cfg.fitted is None
+    for kind, spec in FITTED.items():
+        assert OmegaConf.to_container(cfg[kind]) == defaults_of(spec.settings)
+    assert validate(_compose(["fitted=kvquant", "kvquant.bits=4"])).kvquant.bits == 4
+    with pytest.raises(ConfigError, match="kvquant.tokens_per_window=0 must be a positive integer"):
+        validate(_compose(["kvquant.tokens_per_window=0"]))
+    with pytest.raises(ConfigError, match=r"fitted='atom' is not one of \['kivi_vscale', 'kvquant'\]"):
+        validate(_compose(["fitted=atom"]))
 
 
 def test_no_group_restates_the_schema():

@@ -12,6 +12,7 @@ from palu.cache.quant_cache import QuantKVCache, Schedule
 from palu.eval.perplexity import perplexity
 from palu.methods import MethodError, build_method
 from palu.calib.kvquant import fit_kvquant
+from palu.calib.value_scales import fit_kivi_vscale
 from palu.methods.kvquant import KVQuantState
 from palu.quant.codecs import TurboCodec, UniformCodec
 from palu.quant.uniform import dequantize, quantize
@@ -36,6 +37,9 @@ def kvquant_states():
                 out[family, bits, weighting] = fit_kvquant(copy.deepcopy(base), calib, bits=bits,
                                                            weighting=weighting, tokens_per_window=24,
                                                            progress=False)
+        # KIVI's calibrated value scales (the second fitted method)
+        out[family, "vscale"] = fit_kivi_vscale(copy.deepcopy(base), calib, alpha=0.5, tokens_per_window=24,
+                                                progress=False)
     return out
 
 
@@ -48,7 +52,9 @@ def _configs(family, states):
             + [{"name": "turboquant", "bits": b} for b in (2, 3, 4)]
             + [{"name": "kvquant", "state": states[family, b, w]} for b in (2, 3, 4)
                for w in ("fisher", "uniform")]
-            + [{"name": "kvquant", "state": states[family, 3, "fisher"], "sink": 0}])
+            + [{"name": "kvquant", "state": states[family, 3, "fisher"], "sink": 0}]
+            + [{"name": "kivi_vscale", "bits": 2, "group": 8, "residual": 16, "state": states[family, "vscale"]},
+               {"name": "kivi_vscale", "bits": 4, "group": 4, "residual": 0, "state": states[family, "vscale"]}])
 
 
 def _installed(family, conf):
@@ -229,7 +235,7 @@ def test_kvquant_state_round_trips_and_a_damaged_file_is_refused(kvquant_states,
 def test_generate_runs_through_every_baselines_cache(family, kvquant_states):
     prompt = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(2))
     if family == "qwen2":   # k/v biases: its own KVQuant state
-        configs = [c for c in _configs("llama", kvquant_states) if c["name"] != "kvquant"]
+        configs = [c for c in _configs("llama", kvquant_states) if c["name"] not in ("kvquant", "kivi_vscale")]
         configs.append({"name": "kvquant", "state": fit_kvquant(
             FAMILIES["qwen2"](0).double(), prompt.repeat(2, 2), bits=3, tokens_per_window=8, progress=False)})
     else:

@@ -22,14 +22,9 @@ def test_each_yaml_builds_its_method_with_only_declared_fields(stem, tmp_path):
     conf = dict(YAMLS[stem])
     if "checkpoint" in conf:
         conf["checkpoint"] = str(tmp_path)
-    if "state" in conf:   # KVQuant: a fitted state folder
-        import torch
-
-        from palu.calib.kvquant import fit_kvquant
-        from tiny import tiny_llama
-        fit_kvquant(tiny_llama(0), torch.randint(0, 97, (1, 16)), bits=3, weighting="uniform",
-                    tokens_per_window=8, progress=False).save(tmp_path / "state")
-        conf["state"] = str(tmp_path / "state")
+    if "state" in conf:   # a fitted method (KVQuant, KIVI's value scales): its state folder
+        from tiny import fitted_state, tiny_llama
+        conf["state"] = fitted_state(stem, tiny_llama(0), tmp_path / "state")
     method = build_method(conf)
     assert type(method) is REGISTRY[stem]
     assert method.name == conf["name"]

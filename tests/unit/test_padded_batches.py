@@ -8,7 +8,7 @@ batch by name. Parametrised over `method_names()`: a new method must be added to
 |---|---|
 | fp16, palu (16 / 4 / 2-bit), atom, turboquant | equal to each prompt alone (per-token storage) |
 | snapkv, pyramidkv, streaming_llm, tova, h2o, quest | equal to each prompt alone (each row's policy decides over its own tokens, ragged kept sets led by masked fillers; bytes from the row's own view) |
-| kivi, kvquant, kivi_snapkv | equal to each prompt alone (the rows are apart: one row layer each, its groups, window and sink counted from its first token; kivi_snapkv: each row layer evicts among its own tokens) |
+| kivi, kivi_vscale, kvquant, kivi_snapkv | equal to each prompt alone (the rows are apart: one row layer each, its groups, window and sink counted from its first token; kivi_snapkv: each row layer evicts among its own tokens) |
 | palu_snapkv, palu_tova (16 / 4-bit) | equal to each prompt alone (each row scores its own tokens with its own queries, after the prefill or every step; ragged kept sets led by masked filler slots, the latent cache's own mask) |
 | palu_select | equal to each prompt alone (a row chooses among its own tokens; the chosen are read through its mask) |
 """
@@ -31,6 +31,7 @@ CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture
     "turboquant": {"turboquant-b3": {"bits": 3}},
     "kivi": {"kivi-b2": {"bits": 2, "group": 4, "residual": 4}},
     "kvquant": {"kvquant-b3": {"state": "STATE"}},
+    "kivi_vscale": {"kivi_vscale-b2": {"bits": 2, "group": 4, "residual": 4, "state": "VSTATE"}},
     "kivi_snapkv": {"kivi_snapkv": {"bits": 2, "group": 4, "residual": 4, **EVICT}},
     "snapkv": {"snapkv": {"compression_ratio": 0.5, "window": 2, "kernel": 1}},
     "pyramidkv": {"pyramidkv": {"compression_ratio": 0.5, "window": 2, "kernel": 1}},
@@ -58,7 +59,9 @@ def paths(base, tiny_palu_checkpoint, tmp_path_factory):
     state = tmp_path_factory.mktemp("kvq") / "state"
     fit_kvquant(copy.deepcopy(base), calib, bits=3, weighting="uniform", tokens_per_window=16,
                 progress=False).save(state)
-    return {"CKPT": str(ckpt), "STATE": str(state)}
+    from tiny import fitted_state
+    vstate = fitted_state("kivi_vscale", base, tmp_path_factory.mktemp("vscale") / "state", calib)
+    return {"CKPT": str(ckpt), "STATE": str(state), "VSTATE": vstate}
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,16 +15,14 @@ Outliers per vector: k = max(1, round(outlier_fraction * head_dim)) when the fra
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..cache.quant_cache import Schedule
-from ..artifacts import atomic_dir, seal, sha256_file, unseal
+from ..calib.state_folder import load_state, save_state
 from ..quant.codecs import KVQuantCodec
 from .base import MethodError
 from .quantized_kv import QuantizedKV
@@ -68,31 +66,15 @@ class KVQuantState:
         return state_tag(self.bits, self.weighting, self.outlier_fraction)
 
     def save(self, path: str | Path) -> None:
-        with atomic_dir(path, "manifest.json") as tmp:
-            save_file({"key_codebooks": self.key_codebooks, "value_codebooks": self.value_codebooks,
-                       "channel_offset": self.channel_offset, "channel_scale": self.channel_scale},
-                      str(tmp / "state.safetensors"))
-            manifest = seal({"format": FORMAT, "method": "kvquant", "tag": self.tag, "bits": self.bits,
-                             "weighting": self.weighting, "outlier_fraction": self.outlier_fraction,
-                             "info": self.info,
-                             "files": {"state.safetensors": sha256_file(tmp / "state.safetensors")}})
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        save_state(path, {"key_codebooks": self.key_codebooks, "value_codebooks": self.value_codebooks,
+                          "channel_offset": self.channel_offset, "channel_scale": self.channel_scale},
+                   {"format": FORMAT, "method": "kvquant", "tag": self.tag, "bits": self.bits,
+                    "weighting": self.weighting, "outlier_fraction": self.outlier_fraction, "info": self.info})
 
     @classmethod
     def load(cls, path: str | Path) -> "KVQuantState":
-        path = Path(path)
-        if not (path / "manifest.json").is_file():
-            raise FileNotFoundError(f"{path}: no KVQuant state (manifest.json); fit one with "
-                                    "python -m palu.pipeline.cli.fit_kvquant")
-        manifest = json.loads((path / "manifest.json").read_text())
-        if manifest.get("format") != FORMAT or manifest.get("method") != "kvquant":
-            raise ValueError(f"{path}: not a format-{FORMAT} KVQuant state")
-        manifest = unseal(manifest, f"KVQuant state {path / 'manifest.json'}")
-        digest = sha256_file(path / "state.safetensors")
-        if digest != manifest["files"]["state.safetensors"]:
-            raise ValueError(f"{path}/state.safetensors does not match its manifest's sha256: "
-                             "the file was changed or damaged; fit it again")
-        t = load_file(str(path / "state.safetensors"))
+        manifest, t = load_state(path, "kvquant", FORMAT, "KVQuant state",
+                                 "python -m palu.pipeline.cli.fit fitted=kvquant")
         state = cls(manifest["bits"], manifest["weighting"], manifest["outlier_fraction"],
                     t["key_codebooks"], t["value_codebooks"], t["channel_offset"], t["channel_scale"],
                     manifest.get("info", {}))
@@ -138,7 +120,7 @@ class KVQuant(QuantizedKV):
     def check(self) -> None:
         if self.state is None:
             raise MethodError("method=kvquant needs method.state=<a fitted KVQuant state folder> "
-                              "(python -m palu.pipeline.cli.fit_kvquant) or a KVQuantState")
+                              "(python -m palu.pipeline.cli.fit fitted=kvquant) or a KVQuantState")
         if not isinstance(self.sink, int) or self.sink < 0:
             raise MethodError(f"method.sink={self.sink!r} must be a non-negative integer")
         if self.bits is not None:

@@ -87,19 +87,6 @@ class RecoveryConfig:
 
 
 @dataclass
-class KVQuantConfig:
-    """Fitting KVQuant's codebooks (step fit_kvquant) on windows of the calibration corpus."""
-    bits: int = 3
-    weighting: str = "fisher"           # fisher (sensitivity-weighted k-means) | uniform (plain)
-    outlier_fraction: float = 0.01      # entries per vector kept exact, in [0, 0.5)
-    samples: int = 8                    # calibration windows
-    seqlen: int = 2048
-    seed: int = 2
-    tokens_per_window: int = 256        # tokens per window whose activations are kept
-    activations: Optional[str] = None   # fit from this capture (step kvquant_capture); null: capture here
-
-
-@dataclass
 class ZeroshotConfig:
     # the paper's six tasks (palu.eval.zeroshot.TASKS); validation splits
     tasks: List[str] = field(default_factory=lambda: ["piqa", "arc_easy", "arc_challenge",
@@ -148,14 +135,13 @@ class PathsConfig:
 
 
 @dataclass
-class Config:
+class CoreConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     fisher: FisherWindows = field(default_factory=FisherWindows)
     palu: PaluConfig = field(default_factory=PaluConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
-    kvquant: KVQuantConfig = field(default_factory=KVQuantConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     zeroshot: ZeroshotConfig = field(default_factory=ZeroshotConfig)
     longcontext: LongContextConfig = field(default_factory=LongContextConfig)
@@ -167,6 +153,20 @@ class Config:
     device: str = "cpu"
     seed: int = 0
     progress: bool = True
+
+
+def _config_schema() -> type:
+    """The whole schema: the core groups, then one settings group per fitted method (its spec's
+    `settings` dataclass, palu.pipeline.fitted) and `fitted`, the kind the fit steps make."""
+    from dataclasses import make_dataclass
+
+    from palu.pipeline.fitted import FITTED
+    return make_dataclass("Config", [(kind, spec.settings, field(default_factory=spec.settings))
+                                     for kind, spec in FITTED.items()]
+                          + [("fitted", Optional[str], None)], bases=(CoreConfig,))
+
+
+Config = _config_schema()
 
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -183,14 +183,13 @@ _CHOICES = {
 }
 _POSITIVE = ("data.seqlen", "data.batch_size", "calibration.samples", "calibration.seqlen", "fisher.samples",
              "fisher.seqlen", "palu.group_size", "palu.rank_multiple",
-             "generate.context", "generate.new_tokens", "kvquant.samples", "kvquant.seqlen",
-             "kvquant.tokens_per_window", "recovery.rank", "recovery.steps", "recovery.samples",
+             "generate.context", "generate.new_tokens", "recovery.rank", "recovery.steps", "recovery.samples",
              "recovery.seqlen")
 
 
 # The groups whose one option is their dataclass (conf/config.yaml picks `<group>: default`).
 _GROUPS = {"calibration": CalibrationConfig, "fisher": FisherWindows, "palu": PaluConfig,
-           "generate": GenerateConfig, "kvquant": KVQuantConfig, "recovery": RecoveryConfig,
+           "generate": GenerateConfig, "recovery": RecoveryConfig,
            "zeroshot": ZeroshotConfig, "longcontext": LongContextConfig, "paths": PathsConfig}
 
 
@@ -204,13 +203,17 @@ def method_defaults(name: str) -> dict:
 
 
 def register() -> None:
-    """Store the schema in Hydra's ConfigStore (idempotent): each settings group's dataclass as
+    """Store the schema in Hydra's ConfigStore (idempotent): the whole schema as `palu_schema`,
+    each settings group's dataclass as
     `<group>/default`, the tracking and data base options that conf/tracking/*.yaml and
     conf/data/*.yaml extend, and one `method/<name>` option per registered method."""
     from hydra.core.config_store import ConfigStore
 
     from palu.methods import method_names
     cs = ConfigStore.instance()
+    # the whole schema first (conf/config.yaml's defaults begin with it), so settings that are
+    # no group one picks (a fitted method's, `<kind>.*`) take overrides without a defaults line
+    cs.store(name="palu_schema", node=Config)
     for group, node in _GROUPS.items():
         cs.store(group=group, name="default", node=node)
     cs.store(group="tracking", name="base", node=TrackingConfig)
@@ -252,13 +255,7 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
                               f"corpus ({real_corpora()}) for files of your own")
     if merged.device != "cpu" and not merged.device.startswith("cuda"):
         raise ConfigError(f"device={merged.device!r} must be 'cpu' or 'cuda[:N]'")
-    from palu.methods import MethodError
-    from palu.methods.kvquant import check_settings
-    k = merged.kvquant
-    try:
-        check_settings(k.bits, k.weighting, k.outlier_fraction)
-    except MethodError as err:
-        raise ConfigError(str(err)) from None
+    check_fitted(merged)
     from palu.eval.zeroshot import check_request
     z = merged.zeroshot
     try:
@@ -278,6 +275,23 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
     method_of(merged)
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def check_fitted(merged: DictConfig) -> None:
+    """Every fitted method's settings group, by its spec (palu.pipeline.fitted), and `fitted`."""
+    from palu.methods import MethodError
+    from palu.pipeline.fitted import FITTED
+    if merged.fitted is not None and merged.fitted not in FITTED:
+        raise ConfigError(f"fitted={merged.fitted!r} is not one of {sorted(FITTED)}")
+    for kind, spec in FITTED.items():
+        settings = merged[kind]
+        for key in spec.positive:
+            if settings[key] is None or settings[key] <= 0:
+                raise ConfigError(f"{kind}.{key}={settings[key]!r} must be a positive integer")
+        try:
+            spec.check(settings)
+        except (MethodError, ValueError) as err:
+            raise ConfigError(str(err)) from None
 
 
 def suite_settings(cfg: DictConfig):

@@ -158,12 +158,13 @@ class Grid(GridSections):
         if table == "baseline":
             names += list(self.method_runs())
         if table == "quantization":
-            names += list(self.quantization_baselines()) + [self.run_name(s) for s in self.kvquant_specs()]
+            names += list(self.quantization_baselines())
+        names += [self.run_name(s) for s in self.fitted_specs() if s.table == table]
         return names
 
     def runs(self) -> dict[str, RunSpec]:
         """Every method run of the grid by its run name (`specs.RunSpec`: a configured method,
-        FP16 included; a Palu checkpoint's run; KVQuant with a state the DAG fits)."""
+        FP16 included; a Palu checkpoint's run; a fitted method's state, `fitted.FittedSpec`)."""
         return dict(self._runs)
 
     def run_name(self, spec: RunSpec) -> str:
@@ -173,7 +174,7 @@ class Grid(GridSections):
     @cached_property
     def _runs(self) -> dict[str, RunSpec]:
         out: dict[str, RunSpec] = {"fp16": FP16, **self.method_runs(), **self.quantization_baselines()}
-        out.update({self.run_name(s): s for s in self.kvquant_specs()})
+        out.update({self.run_name(s): s for s in self.fitted_specs()})
         if self.config.get("memory"):
             out.update(self.memory_runs())
         out.update(self.zeroshot_runs())

@@ -1,12 +1,13 @@
 """What each section of a grid asks for: the Palu runs (specs) of every table and suite, and the
-settings of the steps it configures (recovery, zero-shot, long-context suites, KVQuant fitting).
+settings of the steps it configures (recovery, zero-shot, long-context suites, fitted methods).
 `Grid` (grid.py) combines them into the grid's runs, paths and overrides."""
 from __future__ import annotations
 
 from palu.eval.suites import SUITES
 from palu.pipeline import naming
-from palu.pipeline.config import KVQuantConfig, RecoveryConfig, ZeroshotConfig
-from palu.pipeline.specs import FP16, KVQuantSpec, MethodSpec, PaluSpec, RunSpec, hydra_overrides, settings_of, shell_join
+from palu.pipeline.config import RecoveryConfig, ZeroshotConfig
+from palu.pipeline.fitted import FITTED, FittedSpec
+from palu.pipeline.specs import FP16, MethodSpec, PaluSpec, RunSpec, hydra_overrides, settings_of, shell_join
 
 
 class GridSections:
@@ -140,14 +141,13 @@ class GridSections:
 
     def _suite_runs(self, key: str) -> dict[str, RunSpec]:
         """FP16 (the reference of every paired difference), the entry's Palu runs, its baselines
-        and KVQuant at `<key>.kvquant_bits` (fitted for the quantization table)."""
+        and the fitted states it picks (`<key>.kvquant_bits`: `_selected_states`)."""
         z = self.config.get(key)
         if not z:
             return {}
         out: dict = {"fp16": FP16, **{self.run_name(s): s for s in self._suite_specs(key)}}
         out.update(self._configured_methods(z.get("baselines")))
-        kv = [s for s in self.kvquant_specs() if s.bits == z.get("kvquant_bits")]
-        out.update({self.run_name(s): s for s in kv[:1]})
+        out.update({self.run_name(s): s for s in self._selected_states(z)})
         return out
 
     def longcontext_runs(self) -> dict[str, RunSpec]:
@@ -187,7 +187,7 @@ class GridSections:
 
     def zeroshot_settings(self) -> dict:
         return settings_of(ZeroshotConfig, self.config["zeroshot"], "zeroshot",
-                           drop=("palu", "baselines", "kvquant_bits"))
+                           drop=("palu", "baselines", *(c.select_key for c in FITTED.values() if c.select_key)))
 
     def zeroshot_files(self) -> list[str]:
         s = self.zeroshot_settings()
@@ -202,38 +202,53 @@ class GridSections:
     def zeroshot_overrides(self) -> str:
         return shell_join(hydra_overrides("zeroshot", self.zeroshot_settings()))
 
-    def kvquant_specs(self) -> list[KVQuantSpec]:
-        k = (self.config.get("quantization") or {}).get("kvquant")
-        if not k:
-            return []
-        return [KVQuantSpec(int(f["bits"]), f.get("weighting", "fisher"),
-                            float(f.get("outlier_fraction", k["outlier_fraction"])))
-                for f in k["fits"]]
+    def fitted_block(self, spec_class) -> dict:
+        """The grid block a fitted method's states are listed in (empty: none)."""
+        node = self.config
+        for key in spec_class.block:
+            node = (node or {}).get(key) if isinstance(node, dict) else None
+        return node or {}
 
-    def kvquant_ktag(self) -> str:
-        """The calibration windows KVQuant's codebooks are fitted on (the state's lineage)."""
-        cal, k = self.calibration, self.kvquant_settings(self.kvquant_specs()[0])
-        return naming.kvquant_calibration_tag(cal["corpus"], k["samples"], k["seqlen"], k["seed"],
-                                              self.dtype, cal["bos"])
+    def fitted_specs(self, kind: str | None = None) -> list[FittedSpec]:
+        """Every state the grid fits (of one `kind`), in the order its blocks list them."""
+        return [spec for k, cls in FITTED.items() if kind in (None, k)
+                for spec in (cls.from_block(self.fitted_block(cls), ".".join(cls.block))
+                             if self.fitted_block(cls) else [])]
 
-    def kvquant_state(self, spec: KVQuantSpec) -> str:
-        return str(naming.kvquant_dir(self.work, self.model, self.kvquant_ktag(), spec.tag))
+    def fitted_kinds(self) -> dict[str, type[FittedSpec]]:
+        """The fitted methods whose states the grid fits, by kind."""
+        return {kind: cls for kind, cls in FITTED.items() if self.fitted_block(cls)}
 
-    def kvquant_settings(self, spec: KVQuantSpec) -> dict:
-        """The fitting settings of `spec`'s state: the grid's `quantization.kvquant` block (windows,
-        tokens) over the schema, the spec's bits / weighting / outliers."""
-        given = {**self.config["quantization"]["kvquant"], "bits": spec.bits,
-                 "weighting": spec.weighting, "outlier_fraction": spec.outlier_fraction}
-        settings = settings_of(KVQuantConfig, given, "quantization.kvquant", drop=("fits",))
-        settings.pop("activations")         # the rule passes the capture it fits from
-        return settings
+    def fitted_windows(self, spec_class) -> str:
+        """The calibration windows a fitted method's states are fitted on (their lineage; one
+        per kind: its capture is shared)."""
+        tags = {spec_class.windows_tag(self.calibration["corpus"], self.calibration["bos"],
+                                       s.state_settings(self), self.dtype)
+                for s in self.fitted_specs(spec_class.kind)}
+        if len(tags) != 1:
+            raise ValueError(f"grid {'.'.join(spec_class.block)}: its fits must share one set of "
+                             f"calibration windows, got {sorted(tags)}")
+        return tags.pop()
 
-    def kvquant_overrides(self, spec: KVQuantSpec) -> str:
-        return shell_join(hydra_overrides("kvquant", self.kvquant_settings(spec)))
+    def fitted_state(self, spec: FittedSpec) -> str:
+        return str(naming.fitted_dir(self.work, self.model, spec.kind, self.fitted_windows(type(spec)), spec.tag))
 
-    def kvquant_states(self) -> dict[str, KVQuantSpec]:
-        """Every fitted state the grid needs, by its tag (the fit_kvquant rule's wildcard)."""
-        return {spec.tag: spec for spec in self.kvquant_specs()}
+    def fitted_capture(self, spec_class) -> str:
+        return str(naming.fitted_capture_path(self.work, self.model, spec_class.kind,
+                                              self.fitted_windows(spec_class)))
+
+    def fitted_states(self, kind: str) -> dict[str, FittedSpec]:
+        """Every state of `kind` the grid needs, by its tag (the fit rule's wildcard)."""
+        return {spec.tag: spec for spec in self.fitted_specs(kind)}
+
+    def _selected_states(self, section: dict) -> list[FittedSpec]:
+        """The one state per fitted method a table section picks (`kvquant_bits: 3`: the first
+        state the grid fits with those bits)."""
+        out = []
+        for kind, cls in FITTED.items():
+            if cls.select_key and section.get(cls.select_key) is not None:
+                out += [s for s in self.fitted_specs(kind) if s.selected_by(section[cls.select_key])][:1]
+        return out
 
     def _configured_methods(self, confs) -> dict[str, MethodSpec]:
         from palu.methods import build_method
@@ -241,8 +256,9 @@ class GridSections:
         for conf in confs or []:
             method = build_method(conf)
             if hasattr(method, "checkpoint") or hasattr(method, "state"):
+                fitted = ", ".join(f"{k} from {'.'.join(c.block)}" for k, c in FITTED.items())
                 raise ValueError(f"grid methods: {conf} needs a checkpoint or fitted state; Palu "
-                                 "runs come from the Palu entries, KVQuant from quantization.kvquant")
+                                 f"runs come from the Palu entries, fitted methods from their blocks ({fitted})")
             out[method.tag] = MethodSpec(dict(conf))
         return out
 
@@ -275,14 +291,13 @@ class GridSections:
     def memory_runs(self) -> dict[str, RunSpec]:
         """Runs whose cache bytes and generated text the cache_memory table shows at a long
         prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
-        `memory.methods`, and KVQuant at `memory.kvquant_bits` (when the quantization table fits it)."""
+        `memory.methods`, and the fitted states it picks (`memory.kvquant_bits`: `_selected_states`)."""
         m, base = self.config["memory"], self.memory_spec()
         palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
                 for b in m.get("bits", [16])]
         out: dict = {"fp16": FP16, **{self.run_name(s): s for s in palu}}
         out.update(self._configured_methods(m.get("methods")))
-        kv = [s for s in self.kvquant_specs() if s.bits == m.get("kvquant_bits")]
-        out.update({self.run_name(s): s for s in kv[:1]})
+        out.update({self.run_name(s): s for s in self._selected_states(m)})
         return out
 
     def memory_files(self) -> list[str]:

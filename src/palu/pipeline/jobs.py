@@ -19,9 +19,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-# Steps that load the model, by rule name. `prepare` converts it on the CPU: no GPU.
+from palu.pipeline.fitted import fitted_steps
+
+# Steps that load the model, by rule name (a fitted method's capture and fit steps among them).
+# `prepare` converts it on the CPU: no GPU.
 MODEL_STEPS = ("prepare_model", "calibrate", "fisher", "ranks_probed", "decompose", "recover",
-               "kvquant_capture", "fit_kvquant", "evaluate", "zeroshot", "longcontext",
+               *fitted_steps(), "evaluate", "zeroshot", "longcontext",
                "cache_memory_run", "latent_outliers_figure")
 CPU_ONLY_STEPS = ("prepare_model",)
 GPU_BENCHMARKS = ("latency", "decode", "scale")

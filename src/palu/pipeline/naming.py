@@ -84,20 +84,15 @@ def checkpoint_dir(work: str, model: str, ctag: str, ftag: str, tag: str, multip
     return palu_root(work, model) / ctag / ftag / f"{tag}-m{multiple}"
 
 
-def kvquant_calibration_tag(corpus: str, samples: int, seqlen: int, seed: int, dtype: str,
-                            bos: str = "auto") -> str:
-    """The windows a KVQuant state was fitted on (the calibration corpus, its own sample count)."""
-    return calibration_tag(corpus, samples, seqlen, seed, dtype, bos)
+def fitted_capture_path(work: str, model: str, kind: str, windows: str) -> Path:
+    """The calibration activations every state of a fitted method (`kind`) on these windows is
+    fitted from."""
+    return Path(work) / kind / model / windows / "activations.safetensors"
 
 
-def kvquant_activations_path(work: str, model: str, ktag: str) -> Path:
-    """The calibration activations every KVQuant state of these windows is fitted from."""
-    return Path(work) / "kvquant" / model / ktag / "activations.safetensors"
-
-
-def kvquant_dir(work: str, model: str, ktag: str, state: str) -> Path:
-    """work/kvquant/<model>/<calibration windows>/<state tag>/ (state.safetensors + manifest)."""
-    return Path(work) / "kvquant" / model / ktag / state
+def fitted_dir(work: str, model: str, kind: str, windows: str, state: str) -> Path:
+    """work/<kind>/<model>/<calibration windows>/<state tag>/ (the state's files + manifest)."""
+    return Path(work) / kind / model / windows / state
 
 
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
@@ -171,22 +166,6 @@ def checkpoint_dir_of(cfg) -> Path:
                          rotation_tag(p.rotation, p.rotation_seed) + head_order_tag(p.head_order))
     return checkpoint_dir(cfg.paths.work, cfg.model.name, calibration_tag_of(cfg),
                           fisher_tag_of(cfg), tag, p.rank_multiple, p.rank_method)
-
-
-def kvquant_calibration_tag_of(cfg) -> str:
-    c, k = cfg.calibration, cfg.kvquant
-    return kvquant_calibration_tag(c.corpus, k.samples, k.seqlen, k.seed, cfg.model.dtype, c.bos)
-
-
-def kvquant_activations_path_of(cfg) -> Path:
-    return kvquant_activations_path(cfg.paths.work, cfg.model.name, kvquant_calibration_tag_of(cfg))
-
-
-def kvquant_dir_of(cfg) -> Path:
-    from palu.methods.kvquant import state_tag
-    k = cfg.kvquant
-    return kvquant_dir(cfg.paths.work, cfg.model.name, kvquant_calibration_tag_of(cfg),
-                       state_tag(k.bits, k.weighting, k.outlier_fraction))
 
 
 def by_hand(work: str) -> Path:

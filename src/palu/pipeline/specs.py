@@ -3,7 +3,7 @@
 Every run of a grid is a `RunSpec`: it names itself (the run name its result files carry), lists
 the inputs its steps read and gives the overrides that select its method, so the grid asks a spec
 and never its type. `MethodSpec` is a method configured in the grid (FP16 included), `PaluSpec` a
-Palu checkpoint's run, `KVQuantSpec` KVQuant with codebooks the DAG fits.
+Palu checkpoint's run, a `fitted.FittedSpec` a method whose state the DAG fits (KVQuant).
 
 A grid section that configures a step (calibration, fisher, eval, zeroshot, a long-context suite,
 recovery, KVQuant fitting) is merged onto that step's schema dataclass (`settings_of`): an unknown
@@ -174,26 +174,3 @@ class PaluSpec(RunSpec):
                                         "rank_method": self.rank_method,
                                         "kept_ratio": self.kept_ratio, "group_size": self.group_size,
                                         "rotation": self.rotation, "rotation_seed": 0})
-
-
-@dataclass(frozen=True)
-class KVQuantSpec(RunSpec):
-    """One KVQuant run: the settings its codebooks are fitted with (step fit_kvquant)."""
-    bits: int
-    weighting: str
-    outlier_fraction: float
-
-    @property
-    def tag(self) -> str:
-        from palu.methods.kvquant import state_tag
-        return state_tag(self.bits, self.weighting, self.outlier_fraction)
-
-    def name(self, grid: "Grid") -> str:
-        """The state's tag, then the calibration windows its codebooks are fitted on."""
-        return naming.run_name(self.tag, (grid.kvquant_ktag(),))
-
-    def inputs(self, grid: "Grid") -> list[str]:
-        return [grid.prepared_model(), grid.kvquant_state(self)]
-
-    def method_overrides(self, grid: "Grid") -> list[str]:
-        return ["method=kvquant", f"method.state={grid.kvquant_state(self)}"]

@@ -13,6 +13,7 @@ import torch
 
 from palu.pipeline.config import CONF_DIR, register, to_dict, validate
 from palu.pipeline import naming
+from palu.pipeline.fitted import fitted_steps
 from palu.pipeline.tracking.wandb_run import check_tracking, tracked_step
 
 log = logging.getLogger("palu")
@@ -95,14 +96,15 @@ STEP_GROUPS = {
     "ranks": ("calibration", "fisher", "palu"),
     "decompose": ("calibration", "fisher", "palu"),
     "recover": ("calibration", "recovery"),
-    "kvquant_capture": ("calibration", "kvquant"),
-    "fit_kvquant": ("calibration", "kvquant"),
     "evaluate": ("data", "method"),
     "zeroshot": ("method", "zeroshot"),
     "longcontext": ("method", "longcontext"),
     "generate": ("data", "method", "generate"),
+    # a fitted method's steps read the calibration corpus and the method's settings group
+    **{step: ("calibration", kind) for step, kind in fitted_steps().items()},
 }
 _ALWAYS = ("model", "paths", "tracking")
+_FIT_STEPS = set(fitted_steps())
 
 
 def config_of(cfg, step: str) -> dict:
@@ -111,8 +113,9 @@ def config_of(cfg, step: str) -> dict:
     full = to_dict(cfg)
     if step not in STEP_GROUPS:
         return full
-    keep = set(_ALWAYS) | set(STEP_GROUPS[step])
-    return {k: v for k, v in full.items() if k in keep or not isinstance(v, dict)}
+    keep = set(_ALWAYS) | set(STEP_GROUPS[step]) | ({"fitted"} if step in _FIT_STEPS else set())
+    # `fitted` (the kind a fit step makes) is a top-level key only the fit steps read
+    return {k: v for k, v in full.items() if k in keep or not (isinstance(v, dict) or k == "fitted")}
 
 
 def tracked(cfg, step: str, out: str | os.PathLike, used: dict | None = None, config: dict | None = None):

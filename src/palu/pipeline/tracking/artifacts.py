@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 # The kinds of things the pipeline makes, in DAG order (an artifact's W&B type).
-KINDS = ("model", "gram", "fisher", "ranks", "checkpoint", "kvquant_activations", "kvquant_state",
+# A fitted method's capture and state are `<method>_activations` and `<method>_state` (`kinds()`).
+KINDS = ("model", "gram", "fisher", "ranks", "checkpoint",
          "metrics", "memory", "zeroshot", "longcontext", "table", "figure", "benchmark")
 UPLOADS = ("none", "small", "all")
 SMALL_BYTES = 1 << 20
@@ -59,11 +60,18 @@ def fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:32]
 
 
+def kinds() -> tuple[str, ...]:
+    """Every artifact kind: `KINDS` and each fitted method's (palu.pipeline.fitted)."""
+    from palu.pipeline.fitted import FITTED
+    fitted = tuple(f"{k}_{what}" for k in FITTED for what in ("activations", "state"))
+    return KINDS[:5] + fitted + KINDS[5:]
+
+
 def artifact_name(kind: str, path: str | Path) -> str:
     """`<kind>-<path relative to the current folder, '/' as '.'>`, shortened with a hash where
     W&B's length limit requires it."""
-    if kind not in KINDS:
-        raise ValueError(f"artifact kind {kind!r} is not one of {list(KINDS)}")
+    if kind not in kinds():
+        raise ValueError(f"artifact kind {kind!r} is not one of {list(kinds())}")
     full = Path(path).resolve()
     try:
         rel = full.relative_to(Path.cwd().resolve()).as_posix()
