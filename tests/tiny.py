@@ -203,3 +203,22 @@ def fitted_state(name: str, model, path, calib=None):
         raise ValueError(f"no tiny fitted state for method {name!r}: add one to tests/tiny.py")
     state.save(path)
     return str(path)
+
+
+def greedy_alone(model, method, prompt, n):
+    """One prompt alone through `method`'s own cache, greedy, token by token: its `n` tokens and
+    every step's logits (what each row of a batched path must equal)."""
+    import torch
+    with torch.no_grad():
+        return _greedy_alone(model, method, prompt, n)
+
+
+def _greedy_alone(model, method, prompt, n):
+    import torch
+    cache = method.make_cache(model)
+    logits = [model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(n - 1):
+        logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, logits

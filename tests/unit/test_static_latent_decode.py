@@ -14,19 +14,7 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-from tiny import PAD, PROMPTS, left_padded
-
-
-@torch.no_grad()
-def _alone(model, method, prompt, n):
-    """The prompt alone through the method's own cache: its tokens and every step's logits."""
-    cache = method.make_cache(model)
-    logits = [model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(n - 1):
-        logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
+from tiny import PAD, PROMPTS, greedy_alone, left_padded
 
 
 def _palu(base, ckpt, bits, **extra):
@@ -47,7 +35,7 @@ def test_every_row_of_a_padded_batch_equals_its_prompt_alone_through_the_latent_
     new, cache = static_decode.greedy_static_latent(model, method, ids, mask, 6, set(), graph=False, trace=trace)
     assert len(trace) == 6 and cache.ragged
     for row, prompt in enumerate(PROMPTS):
-        tokens, logits = _alone(model, method, prompt, 6)
+        tokens, logits = greedy_alone(model, method, prompt, 6)
         assert new[row] == tokens, (bits, row)
         for k, ours in enumerate(trace):
             diff = (ours[row] - logits[k]).abs().max().item()

@@ -12,7 +12,7 @@ import torch
 from palu.eval import generation, static_subset
 from palu.methods import build_method
 
-from tiny import PAD, PROMPTS, left_padded, tiny_llama
+from tiny import PAD, PROMPTS, greedy_alone, left_padded, tiny_llama
 
 CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
         "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
@@ -32,17 +32,6 @@ def _installed(base, name):
     return method, model
 
 
-@torch.no_grad()
-def _alone(model, method, prompt, n):
-    cache = method.make_cache(model)
-    logits = [model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]]
-    tokens = [int(logits[-1].argmax())]
-    for _ in range(n - 1):
-        logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
-        tokens.append(int(logits[-1].argmax()))
-    return tokens, logits
-
-
 @pytest.fixture(scope="module")
 def gqa_base():
     """4 query heads over 2 KV heads, 3 layers (PyramidKV's budgets differ by layer)."""
@@ -58,7 +47,7 @@ def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, name):
     new, held = static_subset.greedy_static_subset(model, method, ids, mask, 8, set(), graph=False, trace=trace)
     assert len(trace) == 8
     for row, prompt in enumerate(PROMPTS):
-        tokens, logits = _alone(model, method, prompt, 8)
+        tokens, logits = greedy_alone(model, method, prompt, 8)
         assert new[row] == tokens, (name, row)
         for k, ours in enumerate(trace):
             diff = (ours[row] - logits[k]).abs().max().item()
