@@ -102,6 +102,38 @@ def test_comparison_tables_pair_each_variant_with_its_reference(tmp_path):
     assert "| s5 " in text.split("## Paired against the search's start")[1].split("## All")[0]
 
 
+def test_composition_rows_pair_with_the_same_factors_and_latent_width(tmp_path):
+    """The rank-allocation table with the composition rows (issue 53 item 4): an allocation at 4
+    bits or with attention-aware factors pairs with uniform / fisher / its start at the same
+    factors and width, never across them, and the pairing text says so."""
+    from palu.pipeline.reporting.tables import build_table, to_markdown
+    rng = np.random.default_rng(4)
+    hard = list(rng.gamma(2.0, 1.5, size=8) * 128)
+
+    def palu_run(method, rank_method, decomposition, bits, extra):
+        path = _run(tmp_path, method, [h + extra * 128 for h in hard])
+        data = json.loads(Path(path).read_text())
+        data["metrics"].update(kept_ratio_target=0.3, group_size=1, rank_method=rank_method,
+                               decomposition=decomposition, kv_bits=bits)
+        Path(path).write_text(json.dumps(data))
+        return path
+    paths = [_run(tmp_path, "fp16", hard)]
+    for d in ("whitened", "attention"):
+        for b in (16, 4):
+            for m, extra in (("uniform", 0.5), ("fisher", 0.4), ("probe_select", 0.3), ("search", 0.2)):
+                paths.append(palu_run(f"{d}-{m}-b{b}", m, d, b, extra + (b == 4) * 0.05 + (d == "attention") * 0.01))
+    frame = build_table(paths, table="rank_allocation").set_index("method")
+    for d in ("whitened", "attention"):
+        for b in (16, 4):
+            assert frame.loc[f"{d}-search-b{b}", "reference"] == f"{d}-uniform-b{b}"
+            assert frame.loc[f"{d}-search-b{b}", "reference2"] == f"{d}-fisher-b{b}"
+            assert frame.loc[f"{d}-search-b{b}", "start"] == f"{d}-probe_select-b{b}"
+    assert "same corpus, kept ratio, granularity, factor objective and latent width" in \
+        to_markdown(build_table(paths, table="rank_allocation"), "t")
+    plain = [p for p in paths if "attention" not in p and "b4" not in p]
+    assert "same corpus, kept ratio and granularity)" in to_markdown(build_table(plain, table="rank_allocation"), "t")
+
+
 def test_bits_and_rotations_are_paired_and_the_main_view_shows_each_interval(tmp_path):
     """latent_bits: every width against the same checkpoint unquantised; hadamard: a rotation
     against no rotation at the same width (unpaired intervals overlap where the pair does not)."""

@@ -32,10 +32,12 @@ class GridSections:
         r = self.config.get("rank_allocation")
         if not r:           # a grid without the table (the long-context grid)
             return []
-        # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`
+        # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`; the composition rows
+        # (issue 53 item 4): `decompositions` beside `decomposition`, latent `bits` beside 16
         sizes = r.get("group_sizes", [r.get("group_size", 1)])
         groups = [self.group(g) for g in sizes]
-        return [PaluSpec(r["decomposition"], m, float(k), g)
+        decompositions = r.get("decompositions", [r.get("decomposition", "whitened")])
+        return [PaluSpec(d, m, float(k), g, int(b)) for d in decompositions for b in r.get("bits", [16])
                 for g in groups for k in r["kept_ratios"] for m in r["methods"]]
 
     def factors_specs(self) -> list[PaluSpec]:

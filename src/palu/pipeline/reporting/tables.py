@@ -96,7 +96,7 @@ _SAME_CHECKPOINT_AND_BITS = ["corpus", "kept_ratio_target", "group_size", "rank_
 # Tables that compare variants of one setting pair each row with its reference variant:
 # table -> (column, the reference's value, the columns a row shares with its reference)
 REFERENCES = {
-    "rank_allocation": ("rank_method", "uniform", ["corpus", "kept_ratio_target", "group_size", "decomposition"]),
+    "rank_allocation": ("rank_method", "uniform", ["corpus", "kept_ratio_target", "group_size", "decomposition", "kv_bits"]),
     "factors": ("decomposition", "whitened", ["corpus", "kept_ratio_target", "group_size", "rank_method"]),
     "recovery": ("recovery", "-", ["corpus", "kept_ratio_target", "group_size", "rank_method",
                                    "decomposition"]),
@@ -118,13 +118,13 @@ PAIRING = {"byte_budget": "same corpus, granularity and latent bytes",
 EXTRA_COLUMNS = {"byte_budget": ["byte_ratio_target"]}
 # ... and some against a second reference: rank_allocation's own allocators against the paper's
 SECOND_REFERENCES = {
-    "rank_allocation": ("rank_method", "fisher", ["corpus", "kept_ratio_target", "group_size", "decomposition"],
+    "rank_allocation": ("rank_method", "fisher", ["corpus", "kept_ratio_target", "group_size", "decomposition", "kv_bits"],
                         ["uniform"]),
 }
 # ... and the searching allocator against the choice it starts from (issue 53): does the search
 # add anything to probe_select? (columns only where a table has search rows)
 START_REFERENCES = {
-    "rank_allocation": ("rank_method", "probe_select", ["corpus", "kept_ratio_target", "group_size", "decomposition"],
+    "rank_allocation": ("rank_method", "probe_select", ["corpus", "kept_ratio_target", "group_size", "decomposition", "kv_bits"],
                         "search"),
 }
 REF_COLUMNS = ["reference", "diff_vs_ref", "ref_lo", "ref_hi", "ref_significant"]
@@ -183,6 +183,10 @@ def build_table(paths: list[str], need_bytes: bool = False, table: str | None = 
                              ascending=[True, True, False, True], na_position="first",
                              kind="stable").reset_index(drop=True)
     frame.attrs["pairing"] = PAIRING.get(table, "same corpus, kept ratio and granularity")
+    palu = frame[frame["method"] != "fp16"]
+    if table == "rank_allocation" and (palu["decomposition"].nunique() > 1 or palu["kv_bits"].nunique() > 1):
+        # the composition rows (issue 53): a row pairs with the same factors and latent width
+        frame.attrs["pairing"] = "same corpus, kept ratio, granularity, factor objective and latent width"
     return frame
 
 
