@@ -71,7 +71,7 @@ def _capture(model, windows, fisher: bool, per_window: int, seed: int, progress:
     device = next(model.parameters()).device
     scale = loss_scale(model)      # float16 gradients underflow: calib/fisher.py
     try:
-        for window in steps(windows, "KVQuant calibration", "windows", progress):
+        for window in steps(windows, "calibration activations", "windows", progress):
             T = window_len[0] = window.numel()
             pick = 1 + torch.randperm(T - 1, generator=gen)[:per_window]
             batch = window[None].to(device)

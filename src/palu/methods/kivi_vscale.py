@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -25,6 +25,7 @@ from ..cache.quant_cache import Codec
 from ..calib.state_folder import load_state, save_state
 from ..quant.codecs import UniformCodec
 from .base import MethodError
+from .fitted_state import FittedState
 from .kivi import KIVI
 
 FORMAT = 1
@@ -93,10 +94,10 @@ class ScaledCodec(Codec):
 
 
 @dataclass
-class KIVIVScale(KIVI):
+class KIVIVScale(FittedState, KIVI):
     name = "kivi_vscale"
+    state_class, state_what = ValueScales, "KIVI value-scale state"
     state: Any = None          # a fitted ValueScales, or the folder one was saved to
-    _state: Optional[ValueScales] = field(default=None, init=False, repr=False, compare=False)
 
     def check(self) -> None:
         if self.state is None:
@@ -105,28 +106,11 @@ class KIVIVScale(KIVI):
         super().check()
 
     @property
-    def loaded(self) -> ValueScales:
-        if self._state is None:
-            self._state = self.state if isinstance(self.state, ValueScales) else ValueScales.load(self.state)
-        return self._state
-
-    @property
     def tag(self) -> str:
         return f"{super().tag}-{self.loaded.tag}"
 
-    def lineage(self) -> tuple[str, ...]:
-        cal = self.loaded.info.get("calibration_tag")
-        return (cal,) if cal else ()
-
-    def inputs(self) -> dict[str, str]:
-        return {} if isinstance(self.state, ValueScales) else {"kivi_vscale_state": str(self.state)}
-
     def install(self, model) -> None:
-        from ..calib.stats_file import check_model, dtype_name
-        from ..decompose.checkpoint import source_hash
-        where = self.state if isinstance(self.state, (str, Path)) else ""
-        check_model(self.loaded.info, model.config, source_hash(model),
-                    f"the KIVI value-scale state {where}".rstrip(), dtype=dtype_name(model))
+        self.check_state_model(model)
         super().install(model)
 
     def codecs(self, geom, model):

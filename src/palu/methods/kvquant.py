@@ -25,6 +25,7 @@ from ..cache.quant_cache import Schedule
 from ..calib.state_folder import load_state, save_state
 from ..quant.codecs import KVQuantCodec
 from .base import MethodError
+from .fitted_state import FittedState
 from .quantized_kv import QuantizedKV
 
 WEIGHTINGS = ("fisher", "uniform")
@@ -108,14 +109,14 @@ def _codecs(state: KVQuantState, head_dim: int):
 
 
 @dataclass
-class KVQuant(QuantizedKV):
+class KVQuant(FittedState, QuantizedKV):
     name = "kvquant"
+    state_class, state_what = KVQuantState, "KVQuant state"
     padded_batches = True   # a left-padded batch keeps its rows apart (quant_cache: per-row mode)
     pre_rope = True
     state: Any = None          # a fitted KVQuantState, or the folder one was saved to
     sink: int = 1              # first tokens kept exact (the attention sink)
     bits: Optional[int] = None   # from the state; set it to check the state has these bits
-    _state: Optional[KVQuantState] = field(default=None, init=False, repr=False, compare=False)
 
     def check(self) -> None:
         if self.state is None:
@@ -135,28 +136,11 @@ class KVQuant(QuantizedKV):
         return self.loaded.bits
 
     @property
-    def loaded(self) -> KVQuantState:
-        if self._state is None:
-            self._state = self.state if isinstance(self.state, KVQuantState) else KVQuantState.load(self.state)
-        return self._state
-
-    @property
     def tag(self) -> str:
         return self.loaded.tag + ("" if self.sink == 1 else f"-sink{self.sink}")
 
-    def lineage(self) -> tuple[str, ...]:
-        cal = self.loaded.info.get("calibration_tag")
-        return (cal,) if cal else ()
-
-    def inputs(self) -> dict[str, str]:
-        return {} if isinstance(self.state, KVQuantState) else {"kvquant_state": str(self.state)}
-
     def install(self, model) -> None:
-        from ..calib.stats_file import check_model, dtype_name
-        from ..decompose.checkpoint import source_hash
-        check_model(self.loaded.info, model.config, source_hash(model),
-                    f"the KVQuant state {self.state if isinstance(self.state, (str, Path)) else ''}".rstrip(),
-                    dtype=dtype_name(model))
+        self.check_state_model(model)
         super().install(model)
 
     def codecs(self, geom, model):

@@ -16,12 +16,24 @@ settings.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 from palu.pipeline import naming
 from palu.pipeline.specs import RunSpec, defaults_of, hydra_overrides, settings_of, shell_join
 
 FITTED: dict[str, type["FittedSpec"]] = {}
+
+
+@dataclass
+class CaptureSettings:
+    """The settings every fit step on captured calibration activations shares (a spec's
+    `settings` extends it with its own, first)."""
+    samples: int = 8                    # calibration windows
+    seqlen: int = 2048
+    seed: int = 2
+    tokens_per_window: int = 256        # tokens per window whose activations are kept
+    activations: Optional[str] = None   # fit from this capture (step <kind>_capture); null: capture here
 
 
 def register_fitted(cls: type["FittedSpec"]) -> type["FittedSpec"]:
@@ -83,14 +95,24 @@ class FittedSpec(RunSpec):
         """Refuse bad settings by name (ValueError); `settings` has the group's keys."""
 
     @classmethod
-    def capture(cls, model, windows, settings, info: dict, progress: bool, for_states=None):
+    def capture_gradients(cls, settings, for_state: bool) -> bool:
+        """Whether the capture keeps the activations' squared gradients (a backward pass a window);
+        `for_state`: the fit captures for its own state alone, not for every state."""
+        return False
+
+    @classmethod
+    def capture(cls, model, windows, settings, info: dict, progress: bool, for_state: bool = False):
         """What the fit reads of the model on the calibration windows (an object with `save`,
-        `info`); `for_states`: the one state's settings when the fit captures for itself."""
-        raise NotImplementedError
+        `info`): by default sampled tokens' keys and values per layer (palu.calib.kvquant)."""
+        from palu.calib.kvquant import capture_activations
+        return capture_activations(model, windows, fisher=cls.capture_gradients(settings, for_state),
+                                   tokens_per_window=settings["tokens_per_window"], seed=settings["seed"],
+                                   progress=progress, info=info)
 
     @classmethod
     def load_capture(cls, path: str):
-        raise NotImplementedError
+        from palu.calib.kvquant import KVQuantActivations
+        return KVQuantActivations.load(path)
 
     @classmethod
     def fit(cls, captured, settings, device: str):
@@ -100,7 +122,7 @@ class FittedSpec(RunSpec):
     @classmethod
     def metrics(cls, made, settings) -> dict:
         """What a capture or a fitted state reports to W&B."""
-        return {}
+        return {"tokens": made.info["tokens"]}
 
     # ---- what the pipeline asks -----------------------------------------------------------------
     @classmethod

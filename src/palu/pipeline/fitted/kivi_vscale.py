@@ -5,20 +5,15 @@ migration strength `alpha` (`fit_kivi_vscale`); a grid lists them under
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from palu.pipeline.fitted.base import FittedSpec, register_fitted
+from palu.pipeline.fitted.base import CaptureSettings, FittedSpec, register_fitted
 
 
 @dataclass
-class KIVIVScaleSettings:
+class KIVIVScaleSettings(CaptureSettings):
     """Fitting the value scales (step fit_kivi_vscale) on windows of the calibration corpus."""
+    samples: int = 4                    # calibration windows (values only: no gradients)
     alpha: float = 0.5                  # s_c = max|v_c|^alpha: 0 leaves KIVI as it is
-    samples: int = 4                    # calibration windows
-    seqlen: int = 2048
-    seed: int = 2
-    tokens_per_window: int = 256        # tokens per window whose values are kept
-    activations: Optional[str] = None   # fit from this capture (step kivi_vscale_capture); null: capture here
 
 
 @register_fitted
@@ -52,21 +47,6 @@ class KIVIVScaleSpec(FittedSpec):
         check_alpha(settings["alpha"])
 
     @classmethod
-    def capture(cls, model, windows, settings, info: dict, progress: bool, for_state: bool = False):
-        from palu.calib.kvquant import capture_activations
-        return capture_activations(model, windows, fisher=False, tokens_per_window=settings["tokens_per_window"],
-                                   seed=settings["seed"], progress=progress, info=info)
-
-    @classmethod
-    def load_capture(cls, path: str):
-        from palu.calib.kvquant import KVQuantActivations
-        return KVQuantActivations.load(path)
-
-    @classmethod
     def fit(cls, captured, settings, device: str):
         from palu.calib.value_scales import fit_value_scales
         return fit_value_scales(captured, settings["alpha"])
-
-    @classmethod
-    def metrics(cls, made, settings) -> dict:
-        return {"tokens": made.info["tokens"]}

@@ -5,22 +5,16 @@ under `quantization.kvquant.fits`, and a suite or the memory table picks one by 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
-from palu.pipeline.fitted.base import FittedSpec, register_fitted
+from palu.pipeline.fitted.base import CaptureSettings, FittedSpec, register_fitted
 
 
 @dataclass
-class KVQuantSettings:
+class KVQuantSettings(CaptureSettings):
     """Fitting KVQuant's codebooks (step fit_kvquant) on windows of the calibration corpus."""
     bits: int = 3
     weighting: str = "fisher"           # fisher (sensitivity-weighted k-means) | uniform (plain)
     outlier_fraction: float = 0.01      # entries per vector kept exact, in [0, 0.5)
-    samples: int = 8                    # calibration windows
-    seqlen: int = 2048
-    seed: int = 2
-    tokens_per_window: int = 256        # tokens per window whose activations are kept
-    activations: Optional[str] = None   # fit from this capture (step kvquant_capture); null: capture here
 
 
 @register_fitted
@@ -54,18 +48,10 @@ class KVQuantSpec(FittedSpec):
         check_settings(settings["bits"], settings["weighting"], settings["outlier_fraction"])
 
     @classmethod
-    def capture(cls, model, windows, settings, info: dict, progress: bool, for_state: bool = False):
-        from palu.calib.kvquant import capture_activations
+    def capture_gradients(cls, settings, for_state: bool) -> bool:
         # one capture serves every state: with the gradients fisher weighting needs; a fit
         # capturing for itself takes them only if its own weighting needs them
-        fisher = settings["weighting"] == "fisher" if for_state else True
-        return capture_activations(model, windows, fisher=fisher, tokens_per_window=settings["tokens_per_window"],
-                                   seed=settings["seed"], progress=progress, info=info)
-
-    @classmethod
-    def load_capture(cls, path: str):
-        from palu.calib.kvquant import KVQuantActivations
-        return KVQuantActivations.load(path)
+        return settings["weighting"] == "fisher" if for_state else True
 
     @classmethod
     def fit(cls, captured, settings, device: str):
@@ -76,4 +62,4 @@ class KVQuantSpec(FittedSpec):
     @classmethod
     def metrics(cls, made, settings) -> dict:
         from palu.methods.kvquant import KVQuantState
-        return {"tokens": made.info["tokens"], **({"bits": made.bits} if isinstance(made, KVQuantState) else {})}
+        return {**super().metrics(made, settings), **({"bits": made.bits} if isinstance(made, KVQuantState) else {})}
