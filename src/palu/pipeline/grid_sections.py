@@ -3,6 +3,8 @@ settings of the steps it configures (recovery, zero-shot, long-context suites, f
 `Grid` (grid.py) combines them into the grid's runs, paths and overrides."""
 from __future__ import annotations
 
+from functools import cached_property
+
 from palu.eval.suites import SUITES
 from palu.pipeline import naming
 from palu.pipeline.config import RecoveryConfig, ZeroshotConfig
@@ -211,26 +213,37 @@ class GridSections:
             node = (node or {}).get(key) if isinstance(node, dict) else None
         return node or {}
 
+    @cached_property
+    def _fitted(self) -> dict[str, list[FittedSpec]]:
+        """Each fitted method the grid lists, its states (read from its block once)."""
+        return {kind: cls.from_block(self.fitted_block(cls), ".".join(cls.block))
+                for kind, cls in FITTED.items() if self.fitted_block(cls)}
+
     def fitted_specs(self, kind: str | None = None) -> list[FittedSpec]:
         """Every state the grid fits (of one `kind`), in the order its blocks list them."""
-        return [spec for k, cls in FITTED.items() if kind in (None, k)
-                for spec in (cls.from_block(self.fitted_block(cls), ".".join(cls.block))
-                             if self.fitted_block(cls) else [])]
+        return [spec for k, specs in self._fitted.items() if kind in (None, k) for spec in specs]
 
     def fitted_kinds(self) -> dict[str, type[FittedSpec]]:
         """The fitted methods whose states the grid fits, by kind."""
-        return {kind: cls for kind, cls in FITTED.items() if self.fitted_block(cls)}
+        return {kind: FITTED[kind] for kind in self._fitted}
 
     def fitted_windows(self, spec_class) -> str:
         """The calibration windows a fitted method's states are fitted on (their lineage; one
         per kind: its capture is shared)."""
-        tags = {spec_class.windows_tag(self.calibration["corpus"], self.calibration["bos"],
-                                       s.state_settings(self), self.dtype)
-                for s in self.fitted_specs(spec_class.kind)}
-        if len(tags) != 1:
-            raise ValueError(f"grid {'.'.join(spec_class.block)}: its fits must share one set of "
-                             f"calibration windows, got {sorted(tags)}")
-        return tags.pop()
+        return self._fitted_windows[spec_class.kind]
+
+    @cached_property
+    def _fitted_windows(self) -> dict[str, str]:
+        out = {}
+        for kind, specs in self._fitted.items():
+            cls = FITTED[kind]
+            tags = {cls.windows_tag(self.calibration["corpus"], self.calibration["bos"], s.state_settings(self),
+                                    self.dtype) for s in specs}
+            if len(tags) != 1:
+                raise ValueError(f"grid {'.'.join(cls.block)}: its fits must share one set of "
+                                 f"calibration windows, got {sorted(tags)}")
+            out[kind] = tags.pop()
+        return out
 
     def fitted_state(self, spec: FittedSpec) -> str:
         return str(naming.fitted_dir(self.work, self.model, spec.kind, self.fitted_windows(type(spec)), spec.tag))

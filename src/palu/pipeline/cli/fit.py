@@ -15,11 +15,11 @@ def run(cfg) -> str:
     settings = cfg[spec.kind]
     captured_at = settings.get(spec.capture_setting)
     state_name = spec(**{k: settings[k] for k in spec.varied}).tag
-    out = cfg.out or str(naming.fitted_dir(cfg.paths.work, cfg.model.name, spec.kind, spec.windows_tag_of(cfg),
-                                           state_name))
+    windows = spec.windows_tag_of(cfg)
+    out = cfg.out or str(naming.fitted_dir(cfg.paths.work, cfg.model.name, spec.kind, windows, state_name))
     used = {f"{spec.kind}_activations": str(captured_at)} if captured_at else model_input(cfg)
     with tracked(cfg, f"fit_{spec.kind}", out, used=used) as wb:
-        state = spec.fit(_captured(cfg, spec, settings, captured_at), settings, device=cfg.device)
+        state = spec.fit(_captured(cfg, spec, settings, captured_at, windows), settings, device=cfg.device)
         state.save(out)
         wb.metrics(spec.metrics(state, settings))
         wb.make(f"{spec.kind}_state", out, tag=state.tag)
@@ -27,15 +27,14 @@ def run(cfg) -> str:
     return out
 
 
-def _captured(cfg, spec, settings, captured_at):
-    """The capture this fit reads: the one given (refused if made on other windows), else its own."""
+def _captured(cfg, spec, settings, captured_at, windows: str):
+    """The capture this fit reads: the one given (refused if made on other `windows`), else its own."""
     if not captured_at:
         return capture_of(cfg, spec, settings, for_state=True)
     captured = spec.load_capture(str(captured_at))
-    if captured.info.get("calibration_tag") != spec.windows_tag_of(cfg):
+    if captured.info.get("calibration_tag") != windows:
         raise ValueError(f"{spec.kind}.{spec.capture_setting}={captured_at} were captured on "
-                         f"{captured.info.get('calibration_tag')!r}, not on the configured "
-                         f"{spec.windows_tag_of(cfg)!r}")
+                         f"{captured.info.get('calibration_tag')!r}, not on the configured {windows!r}")
     return captured
 
 
