@@ -1,14 +1,17 @@
-"""SnapKV and PyramidKV through preallocated slots with replayed decode steps
-(`palu.eval.static_subset.greedy_static_subset`, on by default since this check passed on the H200,
-session 36: results/checks/h200-static-subset-check.json) on a padded
-batch of real prompts: the replayed graphs against the same steps run eagerly (logits, tokens),
-both against the eager loop every eviction answer takes today (tokens; the prefill is the same
-code, so only the decode attention differs: the dense-decode kernel against SDPA's masked one),
-then one batch's time on each path. What a GPU lease checks before the path is switched on by
-default; exits 3 when `_verdict` says it may not be. Writes OUT/static-subset-check.json.
+"""The methods whose decode steps run in preallocated slots, replayed as CUDA graphs, on a padded
+batch of real prompts: the token subsets (`palu.eval.static_subset.greedy_static_subset`: SnapKV
+and PyramidKV, on by default since this check passed on the H200, session 36:
+results/checks/h200-static-subset-check.json; StreamingLLM, TOVA, Quest) and the quantised caches
+(`palu.eval.static_quant.greedy_static_quant`: KIVI, KIVI + SnapKV). The replayed graphs against
+the same steps run eagerly (logits, tokens), both against the eager loop every answer of the
+method takes without the path (tokens; the prefill is the same code, so only the decode attention
+differs: the dense-decode kernel against SDPA's masked one), then one batch's time on each path.
+What a GPU lease checks before a path is switched on by default; exits 3 when `_verdict` says it
+may not be. Writes OUT/static-subset-check.json.
 
   python benchmarks/experiments/static_subset_check.py OUT_DIR MODEL TEXT \
-      [methods=snapkv,pyramidkv,tova,streaming_llm,quest] [batch=64] [length=4032] [new=64] [device=cuda] [dtype=float16]
+      [methods=snapkv,pyramidkv,tova,streaming_llm,quest,kivi,kivi-b4,kivi_snapkv] [batch=64] \
+      [length=4032] [new=64] [device=cuda] [dtype=float16]
 
 On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of the script).
 """
@@ -23,7 +26,7 @@ import time
 import torch
 
 import palu
-from palu.eval import generation, static_subset
+from palu.eval import generation, static_quant, static_subset
 from palu.methods import build_method
 from static_latent_check import _batch, _prompts, _timed   # the same prompts and timing (a sibling script)
 
@@ -32,18 +35,32 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
         # evicting every step (cache/evicting_slots.py; budgets below the check's 1K prompts, so
         # they evict from the first decode step)
         "tova": {"name": "tova", "budget": 512}, "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 508},
-        "quest": {"name": "quest", "page": 16, "budget": 256}}
+        "quest": {"name": "quest", "page": 16, "budget": 256},
+        # quantised (cache/quant_slots.py): the long grid's settings; over 24 steps at 1K prompts
+        # every row codes values each step and a key block every 32 tokens, rows at other steps
+        "kivi": {"name": "kivi", "bits": 2}, "kivi-b4": {"name": "kivi", "bits": 4},
+        "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5}}
 # replayed steps are the eager steps' kernels: equal tokens, logits within REPLAY_TOL; against the
 # eager loop (another attention kernel in fp16) at least LOOP_SHARE of the rows equal
 REPLAY_TOL, LOOP_SHARE = 1e-2, 0.75
 
 
+def greedy_of(model, method):
+    """The slot path that serves `method` (quantised or token subset); exits naming why if none."""
+    if static_quant.quant_unsupported(model, method) is None:
+        return static_quant.greedy_static_quant
+    why = static_subset.subset_unsupported(model, method)
+    if why is not None:
+        raise SystemExit(f"{method.name}: {why}")
+    return static_subset.greedy_static_subset
+
+
 def check(model, method, ids, mask, graph: bool) -> dict:
     runs = {}
+    greedy = greedy_of(model, method)
     for name, g in (("graph", graph), ("static-eager", False)):
         trace = []
-        runs[name] = (static_subset.greedy_static_subset(model, method, ids, mask, 24, set(), graph=g,
-                                                         trace=trace)[0], trace)
+        runs[name] = (greedy(model, method, ids, mask, 24, set(), graph=g, trace=trace)[0], trace)
     loop = [n for n, _ in generation._decode_dropping_ended_rows(model, method.make_cache(model), ids, mask, 24, set())]
     (g_new, g_trace), (e_new, e_trace) = runs["graph"], runs["static-eager"]
     out = {"rows": len(g_new), "new_tokens": 24,
@@ -90,15 +107,13 @@ def main(out_dir, model_path, text_path, *opts):
         import copy
         method, model = build_method(CONF[name]), copy.deepcopy(base)
         method.install(model)
-        why = static_subset.subset_unsupported(model, method)
-        if why is not None:
-            raise SystemExit(f"{name}: {why}")
+        greedy = greedy_of(model, method)
         result["checks"][name] = check(model, method, *small, graph)
         print(json.dumps({name: result["checks"][name]}), flush=True)
         save()
         ids, mask = large
-        paths = {"graph": lambda n: static_subset.greedy_static_subset(model, method, ids, mask, n, set(), graph=graph),
-                 "static-eager": lambda n: static_subset.greedy_static_subset(model, method, ids, mask, n, set(), graph=False),
+        paths = {"graph": lambda n: greedy(model, method, ids, mask, n, set(), graph=graph),
+                 "static-eager": lambda n: greedy(model, method, ids, mask, n, set(), graph=False),
                  "eager-loop": lambda n: generation._decode_dropping_ended_rows(
                      model, method.make_cache(model), ids, mask, n, set())}
         for path_name, fn in paths.items():
@@ -119,8 +134,7 @@ def main(out_dir, model_path, text_path, *opts):
             except torch.OutOfMemoryError:
                 result["timing"].append({"method": name, "path": path_name, "batch": batch, "oom": True,
                                          "held_before": held_before,
-                                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
-                   "held_before": held_before})
+                                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None})
                 save()
                 continue
             row = {"method": name, "path": path_name, "batch": batch, "prefill_s": pre, "total_s": full,

@@ -55,6 +55,13 @@ METHODS = {
     "streaming_llm-graph": {"name": "streaming_llm", "sink": 4, "window": 2048, "decode": "all"},
     "tova-graph": {"name": "tova", "budget": 2048, "decode": "all"},
     "quest-graph": {"name": "quest", "page": 16, "budget": 1024, "decode": "all"},
+    # the quantised caches in preallocated slots, blocks coded on the device, replayed
+    # (cache/quant_slots.py; opt-in until checked on a GPU: PALU_STATIC_DECODE=all)
+    "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},
+    "kivi-b4-graph": {"name": "kivi", "bits": 4, "decode": "all"},
+    "kivi_snapkv-graph": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5, "decode": "all"},
+    "atom-b4-graph": {"name": "atom", "bits": 4, "decode": "all"},
+    "turboquant-b3-graph": {"name": "turboquant", "bits": 3, "decode": "all"},
 }
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,

@@ -69,7 +69,8 @@ def test_answers_and_bytes_equal_the_eager_loops(gqa_base, name):
     free, _ = static_subset.greedy_static_subset(model, method, ids, mask, 8, set(), graph=False)
     for stop in (set(), {free[1][2], free[2][0]}):
         model.generation_config.eos_token_id = sorted(stop) or None
-        ours = generation._generate_static_subset(model, Tok(), method, PROMPTS, 8, ids, mask, stop)
+        ours = generation._generate_in_slots(static_subset.greedy_static_subset, model, Tok(), method, PROMPTS,
+                                             8, ids, mask, stop)
         assert ours == generation._generate(model, Tok(), method, PROMPTS, 8)   # the eager loop
     lengths = [len(a.split()) for a, _ in ours]
     assert lengths[1] <= 3 and lengths[2] == 1, lengths

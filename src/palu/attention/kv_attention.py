@@ -38,6 +38,11 @@ class QuantKVAttention(FullHeads):
         pre_rope = self.method.pre_rope
         q, k, v = self.project(x, position_embeddings, rotate_keys=not pre_rope)
         cache = self.own_cache(past_key_values, QuantKVCache)
+        if cache.slots is not None:   # decode steps in preallocated slots, replayed as CUDA graphs
+            if T != 1:
+                raise ValueError(f"{self.method.tag}: a cache in preallocated slots takes one token a row a step")
+            out = cache.slots.attend(self.layer_idx, q, k, v, self.softmax_scale())
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
         past = cache.get_seq_length(self.layer_idx)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device)[None]

@@ -457,6 +457,7 @@ class QuantKVCache(Cache):
         super().__init__(layers=[QuantKVLayer(key_codec, value_codec, schedule, i, keep_positions, evicts)
                                  for i in range(num_layers)])
         self.owner = owner
+        self.slots = None   # decode steps in preallocated slots (cache/quant_slots.py), once set
 
     def step(self, layer_idx, keys, values, positions, attention_mask,
              window: int | None = None) -> QuantKVView:

@@ -123,21 +123,8 @@ class DenseRows:
         self._start_dev = fn(self._start_dev)
 
     def row_nbytes(self, b: int) -> dict:
-        """Row b's bytes as the reference layer stores them (codes, their metadata, the exact
-        tokens), from the codecs' counts."""
-        n = self.n[b]
-        out = {"quantised": 0, "metadata": 0, "full_precision": 0, "positions": 0}
-        for buf, codec in zip(self.bufs, self.codecs):
-            H, d = buf.shape[1], buf.shape[-1]
-            coded = self.schedule.coded(n, codec.block)
-            part = codec.nbytes_for(coded, 1, H, d)
-            out["quantised"] += part["quantised"]
-            out["metadata"] += part["metadata"]
-            out["full_precision"] += (n - coded) * H * d * buf.element_size()
-        fixed = sum(c.layer_metadata_nbytes(self.layer) for c in self.codecs)
-        out["metadata"] += fixed
-        out["fixed"] = fixed
-        return out
+        """Row b's bytes as the reference layer stores them (`held_nbytes`)."""
+        return held_nbytes(self.codecs, self.schedule, self.layer, self.n[b], self.bufs)
 
     def nbytes(self) -> dict:
         parts = [self.row_nbytes(b) for b in range(len(self.n))]
@@ -145,3 +132,21 @@ class DenseRows:
         out["metadata"] -= out["fixed"] - parts[0]["fixed"]   # per-layer metadata once for the batch
         out["fixed"] = parts[0]["fixed"]
         return out
+
+
+def held_nbytes(codecs, schedule, layer: int, n: int, bufs) -> dict:
+    """The bytes of one row holding `n` tokens as the reference layer stores them (codes, their
+    metadata, the exact tokens), from the codecs' counts; `bufs`: the keys' and values' buffers
+    (B, H, slots, d), for their heads, widths and element size."""
+    out = {"quantised": 0, "metadata": 0, "full_precision": 0, "positions": 0}
+    for buf, codec in zip(bufs, codecs):
+        H, d = buf.shape[1], buf.shape[-1]
+        coded = schedule.coded(n, codec.block)
+        part = codec.nbytes_for(coded, 1, H, d)
+        out["quantised"] += part["quantised"]
+        out["metadata"] += part["metadata"]
+        out["full_precision"] += (n - coded) * H * d * buf.element_size()
+    fixed = sum(c.layer_metadata_nbytes(layer) for c in codecs)
+    out["metadata"] += fixed
+    out["fixed"] = fixed
+    return out

@@ -16,7 +16,7 @@ import os
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from . import static_decode, static_subset
+from . import static_decode, static_quant, static_subset
 from .journal import current as current_journal
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,12 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
         return _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
     if static_subset.subset_enabled(method) and device.type == "cuda" and \
             static_subset.subset_unsupported(model, method) is None:
-        return _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop)
+        return _generate_in_slots(static_subset.greedy_static_subset, model, tokenizer, method, prompts,
+                                  max_new_tokens, ids, mask, stop)
+    if static_quant.quant_enabled() and device.type == "cuda" and \
+            static_quant.quant_unsupported(model, method) is None:
+        return _generate_in_slots(static_quant.greedy_static_quant, model, tokenizer, method, prompts,
+                                  max_new_tokens, ids, mask, stop)
     cache = DynamicCache() if method is None else method.make_cache(model)
     rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
                                        None if method is None else _RowBytesNow(method, cache, prompts))
@@ -181,11 +186,12 @@ def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, i
     return out
 
 
-def _generate_static_subset(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
-    """SnapKV / PyramidKV on a GPU (`static_subset.subset_enabled`): the method's own eager
-    prefill, then decode steps in preallocated slots, replayed as a CUDA graph; a row's bytes are
-    its own tokens' as the method counts them (`SubsetSlots.row_nbytes`)."""
-    new, held = static_subset.greedy_static_subset(model, method, ids, mask, max_new_tokens, stop)
+def _generate_in_slots(greedy, model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
+    """A method whose decode steps run in preallocated slots on a GPU, replayed as a CUDA graph
+    after its own eager prefill (`greedy`: SnapKV / PyramidKV and the other token subsets,
+    `static_subset`; KIVI and the quantised caches, `static_quant`); a row's bytes are its own
+    tokens' as the method counts them."""
+    new, held = greedy(model, method, ids, mask, max_new_tokens, stop)
     return [(tokenizer.decode(n, skip_special_tokens=True),
              {"stored": int(round(h["total"])), "read_per_step": int(round(h.get("read_per_step", h["total"]))),
               "tokens": len(p) + len(n) - 1})

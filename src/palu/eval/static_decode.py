@@ -146,6 +146,26 @@ class _Step:
         self.cpos.add_(1)
 
 
+class SlotStep:
+    """One decode step of a method whose cache holds preallocated slots (`cache.slots`: the token
+    subsets, the quantised caches): run the model on `x` at `pos`, argmax into `x`, advance the
+    slots. In place, no host read: capturable."""
+
+    def __init__(self, model, cache, first, pos):
+        self.model, self.cache = model, cache
+        self.x, self.pos = first[:, None].clone(), pos.clone()
+        self.one = torch.ones(first.shape[0], 1, 1, 1, dtype=torch.bool, device=first.device)
+        self.logits = None
+
+    def __call__(self) -> None:
+        # the 4-D mask is passed through unread: each layer masks its rows by its slots
+        self.logits = self.model(input_ids=self.x, position_ids=self.pos, attention_mask=self.one,
+                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.x.copy_(self.logits.argmax(-1)[:, None])
+        self.pos.add_(1)
+        self.cache.slots.advance()
+
+
 def _capture(step: _Step):
     """The step as a CUDA graph, after one eager run of it on a side stream (the real next step:
     lazy cuBLAS / allocator set-up happens there, not in the capture); a function replaying it.

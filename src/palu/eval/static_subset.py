@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .static_decode import _switch, replay_steps
+from .static_decode import SlotStep, _switch, replay_steps
 
 
 def subset_enabled(method) -> bool:
@@ -52,24 +52,6 @@ def subset_unsupported(model, method) -> str | None:
     return None
 
 
-class _SubsetStep:
-    """One decode step in place: run the model on `x` at `pos`, argmax into `x`, advance. Capturable."""
-
-    def __init__(self, model, cache, first, pos):
-        self.model, self.cache = model, cache
-        self.x, self.pos = first[:, None].clone(), pos.clone()
-        self.one = torch.ones(first.shape[0], 1, 1, 1, dtype=torch.bool, device=first.device)
-        self.logits = None
-
-    def __call__(self) -> None:
-        # the 4-D mask is passed through unread: each layer masks its rows by its slots
-        self.logits = self.model(input_ids=self.x, position_ids=self.pos, attention_mask=self.one,
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        self.x.copy_(self.logits.argmax(-1)[:, None])
-        self.pos.add_(1)
-        self.cache.slots.advance()
-
-
 @torch.no_grad()
 def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: set,
                          graph: bool | None = None, trace: list | None = None):
@@ -96,7 +78,7 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
     cache.slots = (EvictingSlots(cache, max_new_tokens, policy) if policy.keeps_after_prefill
                    else SubsetSlots(cache, max_new_tokens, policy))
     first = logits.argmax(-1)
-    step = _SubsetStep(model, cache, first, pos[:, -1:] + 1)
+    step = SlotStep(model, cache, first, pos[:, -1:] + 1)
     new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
     held = [row_nbytes(method, cache, tokens) for tokens in cache.slots.row_tokens([len(n) - 1 for n in new])]
     return new, held

@@ -1,0 +1,130 @@
+"""A quantised KV cache's decode steps in preallocated slots, replayed as CUDA graphs
+(`eval/static_quant.greedy_static_quant`): KIVI, KIVI + SnapKV, Atom, TurboQuant, KIVI's value scales.
+
+The batch path (`quant_dense.DenseRows`) already holds every row in one buffer, each token in the
+form the cache holds it now, and codes the blocks that fall due; but it decides on the host which
+rows are due and grows its buffer, so each step launches ~2.5x the plain model's kernels one by one
+(KIVI-2 answered 3.06 prompts/s at 64 x 4K + 64 on the H200, session 36). Here the same state lives
+in tensors of one shape with every count on the device, so a step can be captured once and replayed:
+
+  - each layer's buffer has room for every new token: the prefill's tokens right-aligned at its
+    width (row b's first slot `start[b]`, as `DenseRows` places them), step k's token at slot
+    width + k in every row, its mask column opened in place;
+  - each step codes, in every row, the block that would fall due at the row's count (`due`: the
+    count of coded tokens grows), and writes back the coded block where due and the exact one
+    elsewhere: the same codec call on the same exact block as `DenseRows`, so the same forms;
+  - attention groups the query heads by KV head over the buffer (`grouped_decode`).
+
+So a row sees, at every step, the (key, value) pairs `DenseRows` gives it, which the reference
+layer gives it (tests/unit/test_static_quant_decode.py: every row of a left-padded batch within
+1e-9 of its prompt alone in float64, answers and bytes equal to the eager loop's).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention.grouped_decode import grouped_decode
+from .quant_dense import held_nbytes
+
+
+class QuantSlots:
+    def __init__(self, cache, new_tokens: int, mask: torch.Tensor | None = None):
+        """`cache`: prefilled; `mask`: the prefill's (B, width) left-padding mask (None: none). A layer
+        whose codes count no tokens holds a padded batch in one tensor, pads included: its rows'
+        pads are dropped here, so every layer's rows hold only their real tokens."""
+        pads = None if mask is None else (mask.shape[1] - mask.long().sum(-1)).tolist()
+        self.keys, self.values, self.masks, self.widths, self.starts, self.counts = [], [], [], [], [], []
+        self.codecs, self.schedule = None, None
+        for i, lay in enumerate(cache.layers):
+            if not lay.is_initialized or lay.get_seq_length() == 0:
+                raise ValueError(f"layer {i} holds no tokens: prefill the batch through the cache first")
+            if lay.dense is not None:
+                raise ValueError(f"layer {i} has decoded on its batch path already: slots start after the prefill")
+            parts = lay.rows if lay.rows is not None else [lay]   # a row layer holds one row
+            keys = [row for p in parts for row in p.k.current(lay.dtype).split(1)]
+            values = [row for p in parts for row in p.v.current(lay.dtype).split(1)]
+            if lay.rows is None and pads is not None:   # one tensor, pads on the left of each row
+                keys = [k[:, :, p:] for k, p in zip(keys, pads)]
+                values = [v[:, :, p:] for v, p in zip(values, pads)]
+            held = [k.shape[2] for k in keys]
+            width, B, H = max(held), len(keys), keys[0].shape[1]
+            bufs = [keys[0].new_zeros(B, H, width + new_tokens, keys[0].shape[-1]),
+                    values[0].new_zeros(B, H, width + new_tokens, values[0].shape[-1])]
+            for b, (k, v) in enumerate(zip(keys, values)):
+                bufs[0][b, :, width - held[b]:width] = k[0]
+                bufs[1][b, :, width - held[b]:width] = v[0]
+            device = bufs[0].device
+            count = torch.tensor(held, dtype=torch.long, device=device)
+            start = width - count
+            slots = torch.arange(width + new_tokens, device=device)
+            mask = ((slots >= start[:, None]) & (slots < width))[:, None, None, :]
+            self.keys.append(bufs[0])
+            self.values.append(bufs[1])
+            self.masks.append(mask)
+            self.widths.append(width)
+            self.starts.append(start)
+            self.counts.append(count)
+            self.codecs, self.schedule = (lay.k.codec, lay.v.codec), lay.schedule
+        self.step = torch.zeros(1, dtype=torch.long, device=self.keys[0].device)   # advanced on the device
+        self.new_tokens = new_tokens
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        """Every row's new token (B, H, 1, d) at the layer's next slot, its column opened and the
+        blocks that fall due coded: the layer's keys, values and mask to attend with."""
+        slot = self.step + self.widths[layer]
+        self.keys[layer].index_copy_(2, slot, keys)
+        self.values[layer].index_copy_(2, slot, values)
+        self.masks[layer].index_fill_(3, slot, True)
+        old = self.counts[layer] + self.step          # (B,) tokens each row held before this one
+        for buf, codec in zip((self.keys[layer], self.values[layer]), self.codecs):
+            self._code_due(buf, codec, layer, old, self.starts[layer])
+        return self.keys[layer], self.values[layer], self.masks[layer]
+
+    def attend(self, layer: int, queries, keys, values, scale: float) -> torch.Tensor:
+        """One decode step of the layer: (B, nh, 1, d) queries over every slot the row holds."""
+        keys, values, mask = self.write(layer, keys, values)
+        return grouped_decode(queries, keys, values, mask, scale)
+
+    def advance(self) -> None:
+        self.step.add_(1)
+
+    def _quantised_end(self, n: torch.Tensor, block: int) -> torch.Tensor:
+        """`Schedule.quantised_end` for every row's count at once, on the device."""
+        sink, window = self.schedule.sink, self.schedule.window
+        return n.clamp(max=sink) + torch.div((n - window - sink).clamp(min=0), block, rounding_mode="floor") * block
+
+    def _code_due(self, buf, codec, layer: int, old: torch.Tensor, start: torch.Tensor) -> None:
+        """In every row, the block starting at its first uncoded token coded; kept where its count of
+        coded tokens grows with this token (`DenseRows._code_due`), left exact elsewhere."""
+        block, sink = codec.block, self.schedule.sink
+        end = self._quantised_end(old, block)
+        grows = self._quantised_end(old + 1, block) - (old + 1).clamp(max=sink) != end - old.clamp(max=sink)
+        B, H, cap, d = buf.shape
+        slots = (start + end)[:, None] + torch.arange(block, device=buf.device)        # (B, block)
+        where = slots.clamp(max=cap - 1)[:, None, :, None].expand(B, H, block, d)
+        exact = buf.gather(2, where)
+        coded = codec.decode(codec.encode(exact, layer), layer, exact.dtype)
+        buf.scatter_(2, where, torch.where(grows[:, None, None, None], coded, exact))
+
+    def row(self, b: int, new: int) -> "_SlotRowBytes":
+        """Row b once `new` decoded tokens are in the cache, for its bytes as alone."""
+        return _SlotRowBytes(self, b, new)
+
+
+class _SlotRowBytes:
+    """`QuantKVCache.nbytes` of one row of the slots: the codes, their metadata and the exact
+    tokens as the reference layer stores them (`quant_dense.held_nbytes`)."""
+
+    def __init__(self, slots: QuantSlots, b: int, new: int):
+        self.slots, self.b, self.new = slots, b, new
+
+    def nbytes(self) -> dict:
+        s = self.slots
+        totals: dict = {}
+        for layer, (keys, count) in enumerate(zip(s.keys, s.counts)):
+            n = int(count[self.b]) + self.new
+            part = held_nbytes(s.codecs, s.schedule, layer, n, (keys, s.values[layer]))
+            for key, value in part.items():
+                totals[key] = totals.get(key, 0) + value
+        totals["total"] = sum(v for k, v in totals.items() if k != "fixed")
+        return totals

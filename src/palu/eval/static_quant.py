@@ -1,0 +1,73 @@
+"""Greedy decoding of a left-padded batch through a quantised KV cache with each decode step
+captured once as a CUDA graph and replayed (issue 49, item 4): KIVI, KIVI + SnapKV, KIVI's value
+scales, Atom, TurboQuant: the methods whose codes of a block depend on that block alone.
+
+The prefill is the method's own, eager and left-padded (`QuantKVAttention`: a padded batch's rows
+kept apart, each counting its own sink, window and key blocks; KIVI + SnapKV evicting each row
+among its own tokens). Then every row's tokens move into preallocated slots in the form the cache
+holds them (`cache/quant_slots.py`) and each step writes every row's token at one slot, codes the
+blocks that fall due on the device and attends with the query heads grouped by KV head: one shape,
+no host read, so it replays. Eagerly on the CPU, the same step is what the float64 tests compare
+with the eager loop and with each prompt alone.
+
+Opt-in (PALU_STATIC_DECODE=all) until a GPU run checks it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..models.adapters import layer_window
+from .static_decode import SlotStep, _switch, replay_steps
+
+
+def quant_enabled() -> bool:
+    """Only with PALU_STATIC_DECODE=all until an H200 run checks the replayed steps."""
+    return _switch() == "all"
+
+
+def quant_unsupported(model, method) -> str | None:
+    """Why this path cannot serve `method` on `model`, or None when it can."""
+    from ..cache.quant_cache import QuantKVCache
+    make = getattr(method, "make_cache", None)
+    cache = make(model) if make is not None else None
+    if not isinstance(cache, QuantKVCache):
+        return f"method {getattr(method, 'name', method)!r} does not store quantised full keys and values"
+    if getattr(method, "pre_rope", False):
+        return f"method {method.name!r} stores keys before RoPE (rotated per token when read)"
+    layer = cache.layers[0]
+    codecs = (layer.k.codec, layer.v.codec)
+    if not all(getattr(c, "dense", False) for c in codecs):
+        return f"method {method.name!r} codes a block from more than that block"
+    cfg = model.config.get_text_config(decoder=True)
+    if any(layer_window(cfg, i) is not None for i in range(cfg.num_hidden_layers)):
+        return "sliding-window layers"
+    return None
+
+
+@torch.no_grad()
+def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set,
+                        graph: bool | None = None, trace: list | None = None):
+    """Each row's new tokens (cut after its first stop token) and its bytes when it ends (the
+    method's count of the row alone: its prompt and decoded tokens but the last, in the forms
+    the cache holds them), for a left-padded batch `ids` whose real tokens `mask` marks (None:
+    all). `graph`: capture the decode step (default: on a GPU). `trace`: each step's logits (tests)."""
+    from ..cache.quant_slots import QuantSlots
+    B, width = ids.shape
+    device = ids.device
+    if mask is None:
+        pos = torch.arange(width, device=device).expand(B, -1)
+    else:   # as generate places a left-padded batch: a row's own positions, pads at 1
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    graph = device.type == "cuda" if graph is None else graph
+    cache = method.make_cache(model)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                   cache_position=torch.arange(width, device=device), use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    if trace is not None:
+        trace.append(logits)
+    cache.slots = QuantSlots(cache, max_new_tokens, mask)
+    first = logits.argmax(-1)
+    step = SlotStep(model, cache, first, pos[:, -1:] + 1)
+    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
+    held = [method.cache_nbytes(cache.slots.row(b, len(n) - 1)) for b, n in enumerate(new)]
+    return new, held
