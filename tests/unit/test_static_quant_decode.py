@@ -114,9 +114,12 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
         method.install(model)
         assert why in static_quant.quant_unsupported(model, method), name
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
-    assert not static_quant.quant_enabled()        # opt-in until a GPU checks it
+    assert static_quant.quant_enabled()        # the default since the H200 check
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
     assert static_quant.quant_enabled()
+    for off in ("palu", "fp16", "0"):
+        monkeypatch.setenv("PALU_STATIC_DECODE", off)
+        assert not static_quant.quant_enabled(), off
 
 
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):

@@ -54,7 +54,8 @@ def _switch() -> str:
 
 
 # 1 also serves SnapKV / PyramidKV through their slots (static_subset.py; on since the H200 check
-# of session 36), palu keeps those on the eager loop
+# of session 36) and KIVI / the quantised caches (static_quant.py; since session 38); palu keeps
+# those on the eager loop
 # all: also StreamingLLM / TOVA through their evicting slots (not yet checked on a GPU)
 SWITCH_VALUES = {"0", "1", "fp16", "palu", "all"}
 
