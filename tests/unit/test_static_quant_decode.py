@@ -56,13 +56,18 @@ class Tok:
         return " ".join(map(str, ids))
 
 
+@pytest.mark.parametrize("chunk", [None, 4], ids=["one-prefill-step", "prefill-chunks-of-4"])
 @pytest.mark.parametrize("name", sorted(CONF))
-def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, vscale_state, name):
+def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, vscale_state, name, chunk):
+    """Chunks of 4 tokens: the first chunk runs past the longest left pad (10 of 12 tokens: a
+    row is told apart by its first step), then 2 more; every row's prefill in two steps (KIVI +
+    SnapKV evicts after one prefill step)."""
     method, model = _installed(gqa_base, name, vscale_state)
     assert static_quant.quant_unsupported(model, method) is None
     ids, mask = left_padded(PROMPTS)
     trace = []
-    new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False, trace=trace)
+    new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False, trace=trace,
+                                              prefill_chunk=chunk)
     assert len(trace) == NEW
     for row, prompt in enumerate(PROMPTS):
         tokens, logits = greedy_alone(model, method, prompt, NEW)
@@ -135,3 +140,12 @@ def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
     with pytest.raises(ValueError, match="one token a row a step"):
         with torch.no_grad():
             model(torch.tensor([[1, 2]] * 3), past_key_values=cache)
+
+
+def test_a_first_step_of_padding_alone_is_refused(gqa_base):
+    """A row all padding in its first step: its pads may go on past the step, so where its tokens
+    start is unknown; refused by name rather than counted from the step's width."""
+    method, model = _installed(gqa_base, "kivi", None)
+    ids, mask = left_padded(PROMPTS)                    # the 3-token row has 9 pads
+    with torch.no_grad(), pytest.raises(ValueError, match="row 2 of a padded batch is all padding"):
+        model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=method.make_cache(model))

@@ -125,6 +125,10 @@ def left_pads(attention_mask, B: int, T: int, name: str):
     if bool(seen_by_some.all()):
         return None
     pads = (~seen_by_some).long().cumprod(-1).sum(-1)                          # leading pads
+    if bool((pads == T).any()):   # its pads may go on past this step: its offset is unknown here
+        raise ValueError(f"{name}: row {int((pads == T).nonzero()[0])} of a padded batch is all padding in "
+                         f"its first step ({T} tokens): the first step must hold a token of every row "
+                         "(a prefill in chunks: a first chunk past the longest left pad)")
     if not bool((seen_by_some.sum(-1) == T - pads).all()):
         raise ValueError(f"{name} serves left-padded batches: a row's pad tokens must all come "
                          "before its first token (pad on the left; tokenizer.padding_side='left')")

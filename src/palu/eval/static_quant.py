@@ -20,6 +20,9 @@ from ..models.adapters import layer_window
 from .static_decode import SlotStep, _switch, replay_steps
 
 
+PREFILL_CHUNK = 512   # prompt tokens a prefill step takes (`greedy_static_quant`)
+
+
 def quant_enabled() -> bool:
     """On unless PALU_STATIC_DECODE is palu, fp16 or 0. Checked on the H200 (session 38,
     `results/checks/h200-static-quant-check.json`): for KIVI-2, KIVI-4 and KIVI-2 + SnapKV the
@@ -49,11 +52,12 @@ def quant_unsupported(model, method) -> str | None:
 
 @torch.no_grad()
 def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set,
-                        graph: bool | None = None, trace: list | None = None):
+                        graph: bool | None = None, trace: list | None = None, prefill_chunk: int | None = PREFILL_CHUNK):
     """Each row's new tokens (cut after its first stop token) and its bytes when it ends (the
     method's count of the row alone: its prompt and decoded tokens but the last, in the forms
     the cache holds them), for a left-padded batch `ids` whose real tokens `mask` marks (None:
-    all). `graph`: capture the decode step (default: on a GPU). `trace`: each step's logits (tests)."""
+    all). `graph`: capture the decode step (default: on a GPU). `trace`: each step's logits (tests).
+    `prefill_chunk`: prompt tokens a prefill step takes (None: all at once)."""
     from ..cache.quant_slots import QuantSlots
     B, width = ids.shape
     device = ids.device
@@ -63,9 +67,21 @@ def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set
         pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     graph = device.type == "cuda" if graph is None else graph
     cache = method.make_cache(model)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   cache_position=torch.arange(width, device=device), use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    # The prompt in chunks: a one-pass step shows each query every earlier token in the form the
+    # cache held it then (`QuantKVView`), so a step of T tokens attends over ~3T columns (exact,
+    # then coded keys, then coded values) under a dense mask: 10 s for 64 x 4K on the H200 (session
+    # 38), 10x the plain model's prefill. A chunk sees the tokens coded before it in one form,
+    # so it attends over ~(held + chunk) columns: the same view, as decoding is (tests: chunk 4).
+    # A composition that evicts after its prefill (KIVI + SnapKV) scores the whole prompt at once.
+    chunk = width if getattr(method, "eviction", None) is not None else (prefill_chunk or width)
+    # the first chunk holds a token of every row: a padded batch's rows are told apart by it
+    first = chunk if mask is None else max(chunk, width - int(mask.sum(-1).min()) + 1)
+    for lo in [0, *range(first, width, chunk)]:
+        hi = min(width, lo + (first if lo == 0 else chunk))
+        logits = model(input_ids=ids[:, lo:hi], attention_mask=None if mask is None else mask[:, :hi],
+                       position_ids=pos[:, lo:hi], past_key_values=cache,
+                       cache_position=torch.arange(lo, hi, device=device), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
     if trace is not None:
         trace.append(logits)
     cache.slots = QuantSlots(cache, max_new_tokens, mask)

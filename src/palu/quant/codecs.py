@@ -54,18 +54,28 @@ class TurboCodec(Codec):
         self.codebook = sphere_coordinate_codebook(head_dim, bits).float()
 
     def _rotation(self, layer, x):
-        # D H: x -> x @ (D H); float64 for float64 models (the equivalence tests), else float32
-        return self.signs[layer].to(x.device, x.dtype)[:, None] * self.H.to(x.device, x.dtype)
+        # D H: x -> x @ (D H); float64 for float64 models (the equivalence tests), else float32.
+        # Kept per device and dtype: a copy from the host each call cannot be captured in a CUDA
+        # graph (the quantised caches' replayed decode steps) and waits for the device
+        return self._on(("rotation", layer), lambda: self.signs[layer][:, None] * self.H, x.device, x.dtype)
+
+    def _on(self, key, make, device, dtype):
+        memo = self.__dict__.setdefault("_device_copies", {})
+        if (key, device, dtype) not in memo:
+            memo[(key, device, dtype)] = make().to(device, dtype)
+        return memo[(key, device, dtype)]
 
     def encode(self, x, layer):
         xf = x.to(_work_dtype(x))
         norm = xf.norm(dim=-1, keepdim=True)
         y = (xf / norm.clamp_min(1e-30)) @ self._rotation(layer, xf)
-        return {"codes": pack_codes(nearest(y, self.codebook), self.bits), "norm": norm.half()}
+        codebook = self._on("codebook", lambda: self.codebook, y.device, y.dtype)
+        return {"codes": pack_codes(nearest(y, codebook), self.bits), "norm": norm.half()}
 
     def decode(self, enc, layer, dtype):
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        y = self.codebook.to(enc["codes"].device, work)[unpack_codes(enc["codes"], self.bits, self.d).long()]
+        codebook = self._on("codebook", lambda: self.codebook, enc["codes"].device, work)
+        y = codebook[unpack_codes(enc["codes"], self.bits, self.d).long()]
         u = y @ self._rotation(layer, y).T
         return (u * enc["norm"].to(work)).to(dtype)
 
