@@ -42,7 +42,8 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
         # quantised (cache/quant_slots.py): the long grid's settings; over 24 steps at 1K prompts
         # every row codes values each step and a key block every 32 tokens, rows at other steps
         "kivi": {"name": "kivi", "bits": 2}, "kivi-b4": {"name": "kivi", "bits": 4},
-        "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5}}
+        "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
+        "turboquant": {"name": "turboquant", "bits": 3}, "atom": {"name": "atom", "bits": 4}}
 # replayed steps are the eager steps' kernels: equal tokens, logits within REPLAY_TOL; against the
 # eager loop (another attention kernel in fp16) at least LOOP_SHARE of the rows equal
 REPLAY_TOL, LOOP_SHARE = 1e-2, 0.75
