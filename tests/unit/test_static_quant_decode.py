@@ -56,18 +56,15 @@ class Tok:
         return " ".join(map(str, ids))
 
 
-@pytest.mark.parametrize("chunk", [None, 4], ids=["one-prefill-step", "prefill-chunks-of-4"])
 @pytest.mark.parametrize("name", sorted(CONF))
-def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, vscale_state, name, chunk):
-    """Chunks of 4 tokens: the first chunk runs past the longest left pad (10 of 12 tokens: a
-    row is told apart by its first step), then 2 more; every row's prefill in two steps (KIVI +
-    SnapKV evicts after one prefill step)."""
+def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, vscale_state, name):
+    """Right-padded prefill (every method but KIVI + SnapKV, whose rows evict apart)."""
     method, model = _installed(gqa_base, name, vscale_state)
     assert static_quant.quant_unsupported(model, method) is None
+    assert static_quant.right_padded_prefill(model, method) == (name != "kivi_snapkv")
     ids, mask = left_padded(PROMPTS)
     trace = []
-    new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False, trace=trace,
-                                              prefill_chunk=chunk)
+    new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False, trace=trace)
     assert len(trace) == NEW
     for row, prompt in enumerate(PROMPTS):
         tokens, logits = greedy_alone(model, method, prompt, NEW)
@@ -149,3 +146,15 @@ def test_a_first_step_of_padding_alone_is_refused(gqa_base):
     ids, mask = left_padded(PROMPTS)                    # the 3-token row has 9 pads
     with torch.no_grad(), pytest.raises(ValueError, match="row 2 of a padded batch is all padding"):
         model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=method.make_cache(model))
+
+
+@pytest.mark.parametrize("name", ["kivi", "atom", "kivi_vscale"])
+def test_the_left_padded_prefill_equals_each_prompt_alone(gqa_base, vscale_state, name, monkeypatch):
+    """A family whose logits are not the decoder's last hidden state through the output
+    embedding prefills left-padded, its rows apart (counting codes) or in one tensor (Atom)."""
+    monkeypatch.setattr(static_quant, "FAMILIES", set())
+    method, model = _installed(gqa_base, name, vscale_state)
+    assert not static_quant.right_padded_prefill(model, method)
+    ids, mask = left_padded(PROMPTS)
+    new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False)
+    assert new == [greedy_alone(model, method, p, NEW)[0] for p in PROMPTS]

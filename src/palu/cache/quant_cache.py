@@ -213,6 +213,9 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         self.width = 0
         # past the prefill: every row in one buffer, each token in its current form (quant_dense.py)
         self.dense: quant_dense.DenseRows | None = None
+        # the exact keys and values of the steps taken while set (a list): what preallocated
+        # slots code per row after a right-padded prefill (`quant_slots.QuantSlots`)
+        self.stash: list | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -242,6 +245,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
+        if self.stash is not None:
+            self.stash.append((keys, values))
         if self.dense is None and T == 1 and window is None and self._goes_dense():
             self._to_dense()
         if self.dense is not None:
@@ -462,6 +467,12 @@ class QuantKVCache(Cache):
     def step(self, layer_idx, keys, values, positions, attention_mask,
              window: int | None = None) -> QuantKVView:
         return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner)
+
+    def stash_prompt(self) -> None:
+        """Keep the exact keys and values of the next steps in every layer (`QuantKVLayer.stash`),
+        for preallocated slots to code per row after a right-padded prefill."""
+        for layer in self.layers:
+            layer.stash = []
 
     def holds_rows_apart(self) -> bool:
         """Whether a padded batch split its rows (then `row(b)` is a row's bytes as alone)."""

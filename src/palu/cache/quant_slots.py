@@ -28,10 +28,14 @@ from .quant_dense import held_nbytes
 
 
 class QuantSlots:
-    def __init__(self, cache, new_tokens: int, mask: torch.Tensor | None = None):
+    def __init__(self, cache, new_tokens: int, mask: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None):
         """`cache`: prefilled; `mask`: the prefill's (B, width) left-padding mask (None: none). A layer
         whose codes count no tokens holds a padded batch in one tensor, pads included: its rows'
-        pads are dropped here, so every layer's rows hold only their real tokens."""
+        pads are dropped here, so every layer's rows hold only their real tokens. `lengths`: the
+        prefill was right-padded (each row's tokens first, as alone) with every layer's exact
+        keys and values stashed (`QuantKVLayer.stash`): each row's tokens are coded here, as the
+        row alone holds them (`_row_forms`)."""
         pads = None if mask is None else (mask.shape[1] - mask.long().sum(-1)).tolist()
         self.keys, self.values, self.masks, self.widths, self.starts, self.counts = [], [], [], [], [], []
         self.codecs, self.schedule = None, None
@@ -40,12 +44,16 @@ class QuantSlots:
                 raise ValueError(f"layer {i} holds no tokens: prefill the batch through the cache first")
             if lay.dense is not None:
                 raise ValueError(f"layer {i} has decoded on its batch path already: slots start after the prefill")
-            parts = lay.rows if lay.rows is not None else [lay]   # a row layer holds one row
-            keys = [row for p in parts for row in p.k.current(lay.dtype).split(1)]
-            values = [row for p in parts for row in p.v.current(lay.dtype).split(1)]
-            if lay.rows is None and pads is not None:   # one tensor, pads on the left of each row
-                keys = [k[:, :, p:] for k, p in zip(keys, pads)]
-                values = [v[:, :, p:] for v, p in zip(values, pads)]
+            self.codecs, self.schedule = (lay.k.codec, lay.v.codec), lay.schedule
+            if lengths is not None:
+                keys, values = self._row_forms(lay, lengths)
+            else:
+                parts = lay.rows if lay.rows is not None else [lay]   # a row layer holds one row
+                keys = [row for p in parts for row in p.k.current(lay.dtype).split(1)]
+                values = [row for p in parts for row in p.v.current(lay.dtype).split(1)]
+                if lay.rows is None and pads is not None:   # one tensor, pads on the left of each row
+                    keys = [k[:, :, p:] for k, p in zip(keys, pads)]
+                    values = [v[:, :, p:] for v, p in zip(values, pads)]
             held = [k.shape[2] for k in keys]
             width, B, H = max(held), len(keys), keys[0].shape[1]
             bufs = [keys[0].new_zeros(B, H, width + new_tokens, keys[0].shape[-1]),
@@ -64,9 +72,32 @@ class QuantSlots:
             self.widths.append(width)
             self.starts.append(start)
             self.counts.append(count)
-            self.codecs, self.schedule = (lay.k.codec, lay.v.codec), lay.schedule
         self.step = torch.zeros(1, dtype=torch.long, device=self.keys[0].device)   # advanced on the device
         self.new_tokens = new_tokens
+
+    def _row_forms(self, lay, lengths: torch.Tensor):
+        """Each row's tokens (1, H, n_b, d) in the forms that row alone holds them after its prompt,
+        from a right-padded prefill's exact keys and values: every whole block of the batch's width
+        coded at once (a block's codes depend on that block alone, and every row's blocks start at
+        its first token), kept for row b's tokens [sink, quantised_end(n_b)), exact elsewhere."""
+        if not lay.stash:
+            raise ValueError(f"layer {lay.layer_idx}: a right-padded prefill keeps its exact keys and "
+                             "values (cache.stash_prompt() before it)")
+        exact = [torch.cat([step[k] for step in lay.stash], 2) for k in (0, 1)]
+        lay.stash = None
+        sink = self.schedule.sink
+        rows = lengths.tolist()
+        forms = []
+        for x, codec in zip(exact, self.codecs):
+            n = x.shape[2]
+            end = sink + max(0, n - sink) // codec.block * codec.block
+            if end > sink:
+                coded = codec.decode(codec.encode(x[:, :, sink:end], lay.layer_idx), lay.layer_idx, x.dtype)
+                j = torch.arange(n, device=x.device)
+                held = (j >= sink) & (j < self._quantised_end(lengths.to(x.device), codec.block)[:, None])
+                x = torch.where(held[:, None, :, None], torch.cat([x[:, :, :sink], coded, x[:, :, end:]], 2), x)
+            forms.append([x[b:b + 1, :, :rows[b]] for b in range(len(rows))])
+        return forms
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Every row's new token (B, H, 1, d) at the layer's next slot, its column opened and the

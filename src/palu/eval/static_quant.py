@@ -2,10 +2,12 @@
 captured once as a CUDA graph and replayed (issue 49, item 4): KIVI, KIVI + SnapKV, KIVI's value
 scales, Atom, TurboQuant: the methods whose codes of a block depend on that block alone.
 
-The prefill is the method's own, eager and left-padded (`QuantKVAttention`: a padded batch's rows
-kept apart, each counting its own sink, window and key blocks; KIVI + SnapKV evicting each row
-among its own tokens). Then every row's tokens move into preallocated slots in the form the cache
-holds them (`cache/quant_slots.py`) and each step writes every row's token at one slot, codes the
+The prefill is the method's own one-pass step (`QuantKVAttention`), right-padded where the family
+allows it (every row counted from its first token in one set of tensors; the rows' forms then
+coded per row from the exact keys and values), else left-padded (a padded batch's rows kept apart,
+each counting its own sink, window and key blocks; KIVI + SnapKV evicting each row among its own
+tokens). Then every row's tokens move into preallocated slots in the form the cache holds them
+(`cache/quant_slots.py`) and each step writes every row's token at one slot, codes the
 blocks that fall due on the device and attends with the query heads grouped by KV head: one shape,
 no host read, so it replays. Eagerly on the CPU, the same step is what the float64 tests compare
 with the eager loop and with each prompt alone.
@@ -17,10 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..models.adapters import layer_window
-from .static_decode import SlotStep, _switch, replay_steps
-
-
-PREFILL_CHUNK = 512   # prompt tokens a prefill step takes (`greedy_static_quant`)
+from .static_decode import FAMILIES, SlotStep, _switch, replay_steps
 
 
 def quant_enabled() -> bool:
@@ -52,41 +51,54 @@ def quant_unsupported(model, method) -> str | None:
 
 @torch.no_grad()
 def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set,
-                        graph: bool | None = None, trace: list | None = None, prefill_chunk: int | None = PREFILL_CHUNK):
+                        graph: bool | None = None, trace: list | None = None):
     """Each row's new tokens (cut after its first stop token) and its bytes when it ends (the
     method's count of the row alone: its prompt and decoded tokens but the last, in the forms
     the cache holds them), for a left-padded batch `ids` whose real tokens `mask` marks (None:
-    all). `graph`: capture the decode step (default: on a GPU). `trace`: each step's logits (tests).
-    `prefill_chunk`: prompt tokens a prefill step takes (None: all at once)."""
+    all). `graph`: capture the decode step (default: on a GPU). `trace`: each step's logits (tests)."""
     from ..cache.quant_slots import QuantSlots
     B, width = ids.shape
     device = ids.device
-    if mask is None:
-        pos = torch.arange(width, device=device).expand(B, -1)
-    else:   # as generate places a left-padded batch: a row's own positions, pads at 1
-        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     graph = device.type == "cuda" if graph is None else graph
     cache = method.make_cache(model)
-    # The prompt in chunks: a one-pass step shows each query every earlier token in the form the
-    # cache held it then (`QuantKVView`), so a step of T tokens attends over ~3T columns (exact,
-    # then coded keys, then coded values) under a dense mask: 10 s for 64 x 4K on the H200 (session
-    # 38), 10x the plain model's prefill. A chunk sees the tokens coded before it in one form,
-    # so it attends over ~(held + chunk) columns: the same view, as decoding is (tests: chunk 4).
-    # A composition that evicts after its prefill (KIVI + SnapKV) scores the whole prompt at once.
-    chunk = width if getattr(method, "eviction", None) is not None else (prefill_chunk or width)
-    # the first chunk holds a token of every row: a padded batch's rows are told apart by it
-    first = chunk if mask is None else max(chunk, width - int(mask.sum(-1).min()) + 1)
-    for lo in [0, *range(first, width, chunk)]:
-        hi = min(width, lo + (first if lo == 0 else chunk))
-        logits = model(input_ids=ids[:, lo:hi], attention_mask=None if mask is None else mask[:, :hi],
-                       position_ids=pos[:, lo:hi], past_key_values=cache,
-                       cache_position=torch.arange(lo, hi, device=device), use_cache=True,
+    if mask is not None and right_padded_prefill(model, method):
+        # Every row's tokens first, at positions 0, 1, ...: causal attention alone keeps them from
+        # the pads after them, and a token's form at a query depends only on their two places,
+        # counted from the row's first token, so the batch's one-pass view is each row's own. A
+        # left-padded batch of a method that counts tokens (KIVI's window and key blocks) keeps its
+        # rows apart instead, one row layer stepped after another: 8 of the 10 s KIVI-2 spent on
+        # 64 prompts of 3.5-4K tokens on the H200 (session 38). The rows' window and blocks are
+        # then coded per row from the exact keys and values (`QuantSlots._row_forms`).
+        lengths = mask.long().sum(-1)
+        ids = ids.gather(1, torch.argsort((mask == 0).to(torch.int8), dim=-1, stable=True))
+        steps = torch.arange(width, device=device)
+        cache.stash_prompt()
+        hidden = model.get_decoder()(input_ids=ids, position_ids=steps.expand(B, -1), past_key_values=cache,
+                                     cache_position=steps, use_cache=True).last_hidden_state
+        logits = model.get_output_embeddings()(hidden[torch.arange(B, device=device), lengths - 1])
+        del hidden
+        cache.slots = QuantSlots(cache, max_new_tokens, lengths=lengths)
+        pos = lengths[:, None]
+    else:   # as generate places a left-padded batch: a row's own positions, pads at 1
+        pos = (torch.arange(width, device=device).expand(B, -1) if mask is None
+               else (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1))
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       cache_position=torch.arange(width, device=device), use_cache=True,
                        logits_to_keep=1).logits[:, -1]
+        cache.slots = QuantSlots(cache, max_new_tokens, mask)
+        pos = pos[:, -1:] + 1
     if trace is not None:
         trace.append(logits)
-    cache.slots = QuantSlots(cache, max_new_tokens, mask)
     first = logits.argmax(-1)
-    step = SlotStep(model, cache, first, pos[:, -1:] + 1)
+    step = SlotStep(model, cache, first, pos)
     new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
     held = [method.cache_nbytes(cache.slots.row(b, len(n) - 1)) for b, n in enumerate(new)]
     return new, held
+
+
+def right_padded_prefill(model, method) -> bool:
+    """Whether a padded batch prefills right-padded (`greedy_static_quant`): not for a composition
+    that evicts after its prefill (SnapKV scores each row's last queries: its rows stay apart),
+    and only for the families whose logits are the output embedding of the decoder's last hidden
+    state (`static_decode.FAMILIES`: no soft-capping or scaling after it)."""
+    return getattr(method, "eviction", None) is None and model.config.model_type in FAMILIES
