@@ -90,6 +90,8 @@ def test_no_group_restates_the_schema():
     ("data.seqlen=0", "data.seqlen"),
     ("data.seqlen=-5", "data.seqlen"),
     ("palu.rank_method=fishr", "palu.rank_method"),
+    ("palu.rank_method=search-e0", "palu.rank_method: rank method 'search-e0' is not one of"),
+    ("palu.rank_method=search-e400", "spells out a default"),
     ("tracking.mode=sometimes", "tracking.mode"),
     ("method=palu", "method.checkpoint"),
     (["method=palu", "method.checkpoint=x", "method.bits=5"], "method.bits"),
@@ -348,3 +350,7 @@ def test_batch_sizes_reach_the_steps_only_where_a_grid_sets_them():
     assert "data.batch_size=16" in batched.common_overrides()
     assert "zeroshot.batch_size=auto" in batched.zeroshot_overrides()
     assert all("longcontext.batch_size=64" in batched.longcontext_overrides(t) for t in batched.longcontext_tags())
+
+
+def test_a_search_budget_is_a_rank_method_variant():
+    assert validate(_compose(["palu.rank_method=search-e800-w8"])).palu.rank_method == "search-e800-w8"

@@ -84,3 +84,28 @@ def test_compress_with_search_needs_held_out_windows(setup):
     picked = palu.compress(copy.deepcopy(model), None, 0.5, 1, "search", multiple=2, progress=False,
                            grams=grams, fisher_stats=stats, probe_windows=windows)
     assert picked.allocation["method"] == "search"
+
+
+def test_a_search_budget_is_named_in_the_allocator():
+    """`search-e<evaluations>-w<windows>`: the budget enters every tag made from the name; a
+    default spelled out and a malformed name are refused, in the config check too."""
+    from palu.decompose.ranks import get_allocator, is_rank_method
+    from palu.decompose.search import EVALUATIONS, WINDOWS
+    assert get_allocator("search").windows == WINDOWS
+    assert get_allocator("search-w8").windows == 8 and get_allocator("search-e80-w2").windows == 2
+    assert get_allocator("search-e80").held_out and get_allocator("search-e80").kind == "probed"
+    for bad, why in ((f"search-e{EVALUATIONS}", "spells out a default"), ("search-e0", "is not one of"),
+                     ("search-w8-e80", "is not one of"), ("search-e80x", "is not one of"),
+                     ("fisher-e80", "is not one of")):
+        with pytest.raises(ValueError, match=why):
+            get_allocator(bad)
+        assert not is_rank_method(bad)
+
+
+def test_a_named_budget_is_spent_and_names_the_allocation(setup):
+    from palu.decompose.ranks import get_allocator
+    model, grams, stats, windows = setup
+    svds = whitened_svds(model, grams, 1)
+    found = get_allocator("search-e30").probe(model, svds, stats, 0.5, 1, 2, windows, None)
+    assert found["method"] == "search-e30"
+    assert found["search"]["budget"] == 30 and found["search"]["evaluations"] <= 30

@@ -74,6 +74,7 @@ class Allocator:
     # its probe windows must be text neither the Gram nor the Fisher windows read (`search`):
     # the callers cut them (`decompose.search.held_out_windows`), never the first Fisher windows
     held_out: bool = False
+    windows: int = 0   # held-out windows its probe reads (`held_out` allocators)
 
     @property
     def probes(self) -> bool:
@@ -99,10 +100,35 @@ def register_allocator(name: str, allocator: Allocator) -> Allocator:
     return allocator
 
 
+# allocators whose settings are spelled in their name (`search-e800-w8`): a registered name's
+# variants, made by a function of the full name (None: not one of them; ValueError: a bad one)
+VARIANTS: dict[str, Callable[[str], Allocator | None]] = {}
+
+
+def register_variants(name: str, make: Callable[[str], Allocator | None]) -> None:
+    if name not in ALLOCATORS or name in VARIANTS:
+        raise ValueError(f"rank allocator {name!r}: register it once before its variants")
+    VARIANTS[name] = make
+
+
 def get_allocator(name: str) -> Allocator:
-    if name not in ALLOCATORS:
-        raise ValueError(f"rank method {name!r} is not one of {tuple(ALLOCATORS)}")
-    return ALLOCATORS[name]
+    if name in ALLOCATORS:
+        return ALLOCATORS[name]
+    base = str(name).split("-", 1)[0]
+    made = VARIANTS[base](name) if base in VARIANTS else None
+    if made is None:
+        variants = "".join(f", {b}-<settings>" for b in VARIANTS)
+        raise ValueError(f"rank method {name!r} is not one of {tuple(ALLOCATORS)}{variants}")
+    return made
+
+
+def is_rank_method(name) -> bool:
+    """Whether `name` is a registered allocator or a variant of one (`get_allocator` says why not)."""
+    try:
+        get_allocator(name)
+    except ValueError:
+        return False
+    return True
 
 
 def allocator_kind(name: str) -> str:

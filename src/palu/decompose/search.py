@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import torch
 
 from ..models.adapters import adapter_for, geometry_of
-from .ranks import Allocator, Slot, register_allocator
+from .ranks import Allocator, Slot, register_allocator, register_variants
 
 EVALUATIONS = 400      # loss evaluations a search may spend (probe_select's start included)
 WINDOW_TOKENS = 512    # search window length
@@ -150,8 +151,31 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     return allocation
 
 
-def _search(model, svds, stats, kept_ratio, group_size, multiple, windows, key_weight) -> dict:
-    return search_ranks(model, svds, stats, kept_ratio, group_size, multiple, windows)
+def _searcher(name: str, evaluations: int):
+    def search(model, svds, stats, kept_ratio, group_size, multiple, windows, key_weight) -> dict:
+        return {**search_ranks(model, svds, stats, kept_ratio, group_size, multiple, windows, evaluations),
+                "method": name}
+    return search
 
 
-register_allocator("search", Allocator("all", probe=_search, held_out=True))
+# The search budget is part of the allocator's name, so of every tag made from it (ranks file,
+# checkpoint, run): `search-e800` spends 800 evaluations, `search-w8` reads 8 held-out windows of
+# WINDOW_TOKENS, `search-e800-w8` both; `search` is the defaults' one name.
+VARIANT = re.compile(r"search(?:-e([1-9][0-9]*))?(?:-w([1-9][0-9]*))?")
+
+
+def search_variant(name: str) -> Allocator | None:
+    """The searching allocator of a budget named `search-e<evaluations>-w<windows>` (either part
+    may go); None for a name of another form. A default spelled out is refused (one name each)."""
+    m = VARIANT.fullmatch(name)
+    if m is None:
+        return None
+    evaluations, windows = int(m[1] or EVALUATIONS), int(m[2] or WINDOWS)
+    if (m[1] and evaluations == EVALUATIONS) or (m[2] and windows == WINDOWS):
+        raise ValueError(f"rank method {name!r} spells out a default ({EVALUATIONS} evaluations, {WINDOWS} "
+                         f"windows): name it without that part ('search' for both)")
+    return Allocator("all", probe=_searcher(name, evaluations), held_out=True, windows=windows)
+
+
+register_allocator("search", search_variant("search"))
+register_variants("search", search_variant)

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from palu.calib.fisher import FisherWindows
 from palu.data.windows import BOS_SETTINGS
 from palu.decompose.factors import DECOMPOSITIONS
-from palu.decompose.ranks import rank_method_names
+from palu.decompose.ranks import get_allocator, is_rank_method
 from palu.decompose.heads import HEAD_ORDERS
 from palu.decompose.rotation import ROTATIONS
 
@@ -171,7 +171,6 @@ Config = _config_schema()
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 _CHOICES = {
-    "palu.rank_method": rank_method_names(),
     "palu.decomposition": DECOMPOSITIONS,
     "palu.rotation": ROTATIONS,
     "palu.head_order": HEAD_ORDERS,
@@ -233,6 +232,12 @@ def validate(cfg: DictConfig | dict) -> DictConfig:
         value = OmegaConf.select(merged, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
+    rank_method = merged.palu.rank_method
+    if not isinstance(rank_method, str) or not is_rank_method(rank_method):
+        try:
+            get_allocator(str(rank_method))
+        except ValueError as err:   # names the registered ones, or what is wrong with a variant
+            raise ConfigError(f"palu.rank_method: {err}") from None
     for key in _POSITIVE:
         value = OmegaConf.select(merged, key)
         if value is None or value <= 0:

@@ -58,7 +58,7 @@ def run(cfg) -> dict:
             stats = permute_statistics(stats, orders)
             log.info("head order (similarity): %s", orders)
         if allocator.held_out:   # text neither the Gram nor the Fisher windows read (issue 53, item 3)
-            windows, held_out = held_out_windows_of(cfg, tok)
+            windows, held_out = held_out_windows_of(cfg, tok, allocator.windows)
             log.info("%s: %d search windows of %d tokens at calibration-text offsets %s, disjoint from "
                      "the Gram's and the Fisher's", p.rank_method, len(windows), windows.shape[1], held_out["offsets"])
         elif allocator.probes:
@@ -84,9 +84,9 @@ def run(cfg) -> dict:
     return allocation
 
 
-def held_out_windows_of(cfg, tok):
-    """Search windows from the calibration text that neither the Gram windows (calibration.*) nor
-    the Fisher windows (fisher.*) read, and the record of all three draws' offsets."""
+def held_out_windows_of(cfg, tok, n: int):
+    """`n` search windows from the calibration text that neither the Gram windows (calibration.*)
+    nor the Fisher windows (fisher.*) read, and the record of all three draws' offsets."""
     from palu.data.corpora import load_corpus
     from palu.data.windows import bos_token_for, calibration_offsets, tokenize
     from palu.decompose.search import held_out_windows
@@ -96,7 +96,7 @@ def held_out_windows_of(cfg, tok):
     gram_text, fisher_text = c.seqlen - (bos is not None), f.seqlen - (bos is not None)
     gram = calibration_offsets(tokens.numel(), c.samples, gram_text, c.seed)
     fisher = calibration_offsets(tokens.numel(), f.samples, fisher_text, f.seed)
-    windows, starts = held_out_windows(tokens, [(gram, gram_text), (fisher, fisher_text)], bos=bos)
+    windows, starts = held_out_windows(tokens, [(gram, gram_text), (fisher, fisher_text)], n=n, bos=bos)
     text = windows.shape[1] - (bos is not None)
     return windows, {"offsets": starts, "text_tokens": text, "gram": {"offsets": gram, "text_tokens": gram_text},
                      "fisher": {"offsets": fisher, "text_tokens": fisher_text}}

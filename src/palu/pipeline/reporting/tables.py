@@ -171,7 +171,8 @@ def build_table(paths: list[str], need_bytes: bool = False, table: str | None = 
         frame = add_paired_vs_reference(frame, blocks, column, value, match, skip, REF2_COLUMNS)
     if table in START_REFERENCES:
         column, value, match, only = START_REFERENCES[table]
-        others = [v for v in frame[column].unique() if v != only]
+        # the allocator and its variants (`search-e800`: another search budget)
+        others = [v for v in frame[column].unique() if not (v == only or str(v).startswith(f"{only}-"))]
         frame = add_paired_vs_reference(frame, blocks, column, value, match, others, REF3_COLUMNS)
         if frame[REF3_COLUMNS[1]].isna().all():   # no search rows: the table as before
             frame = frame.drop(columns=REF3_COLUMNS)
