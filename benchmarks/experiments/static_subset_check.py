@@ -10,7 +10,7 @@ What a GPU lease checks before a path is switched on by default; exits 3 when `_
 may not be. Writes OUT/static-subset-check.json.
 
   python benchmarks/experiments/static_subset_check.py OUT_DIR MODEL TEXT \
-      [methods=snapkv,pyramidkv,tova,streaming_llm,quest,kivi,kivi-b4,kivi_snapkv] [batch=64] \
+      [methods=snapkv,pyramidkv,tova,streaming_llm,quest,h2o,kivi,kivi-b4,kivi_snapkv] [batch=64] \
       [length=4032] [new=64] [device=cuda] [dtype=float16] [loop=all]
 
 `loop`: the methods whose eager loop is timed too (at a batch of 64 x 4K Quest's and StreamingLLM's
@@ -39,6 +39,7 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5},
         # they evict from the first decode step)
         "tova": {"name": "tova", "budget": 512}, "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 508},
         "quest": {"name": "quest", "page": 16, "budget": 256},
+        "h2o": {"name": "h2o", "budget": 512, "window": 64},
         # quantised (cache/quant_slots.py): the long grid's settings; over 24 steps at 1K prompts
         # every row codes values each step and a key block every 32 tokens, rows at other steps
         "kivi": {"name": "kivi", "bits": 2}, "kivi-b4": {"name": "kivi", "bits": 4},

@@ -55,6 +55,7 @@ METHODS = {
     "streaming_llm-graph": {"name": "streaming_llm", "sink": 4, "window": 2048, "decode": "all"},
     "tova-graph": {"name": "tova", "budget": 2048, "decode": "all"},
     "quest-graph": {"name": "quest", "page": 16, "budget": 1024, "decode": "all"},
+    "h2o-graph": {"name": "h2o", "budget": 2048, "window": 64, "decode": "all"},
     # the quantised caches in preallocated slots, blocks coded on the device, replayed
     # (cache/quant_slots.py; opt-in until checked on a GPU: PALU_STATIC_DECODE=all)
     "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},

@@ -20,6 +20,8 @@ CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "ker
         # row's prompt + answer (the 3-token row grows into its cap while decoding)
         "tova": {"name": "tova", "budget": 5},
         "streaming_llm": {"name": "streaming_llm", "sink": 2, "window": 4},
+        # accumulating every step's attention per slot: a cap of 5 of which the newest 2 protected
+        "h2o": {"name": "h2o", "budget": 5, "window": 2},
         # selecting: pages of 2 tokens, 4 read a step (cache/subset_slots.py, policy.select_rows)
         "quest": {"name": "quest", "page": 2, "budget": 4}}
 
@@ -75,15 +77,14 @@ def test_answers_and_bytes_equal_the_eager_loops(gqa_base, name):
     lengths = [len(a.split()) for a, _ in ours]
     assert lengths[1] <= 3 and lengths[2] == 1, lengths
     stored = {n["stored"] for _, n in ours}
-    assert len(stored) == (2 if name in ("tova", "streaming_llm") else 3), stored   # capped rows hold alike
+    assert len(stored) == (2 if name in ("tova", "streaming_llm", "h2o") else 3), stored   # capped rows hold alike
 
 
 def test_who_it_serves(gqa_base, monkeypatch):
     for name in CONF:
         method, model = _installed(gqa_base, name)
         assert static_subset.subset_unsupported(model, method) is None
-    refused = {"h2o": ({"budget": 4, "window": 2}, "a rule with state per token"),
-               "kivi": ({"bits": 2, "group": 4, "residual": 4}, "does not keep a token subset")}
+    refused = {"kivi": ({"bits": 2, "group": 4, "residual": 4}, "does not keep a token subset")}
     for name, (conf, why) in refused.items():
         method = build_method({"name": name, **conf})
         model = copy.deepcopy(gqa_base)
@@ -117,3 +118,39 @@ def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
     with pytest.raises(ValueError, match="one token a row a step"):
         with torch.no_grad():
             model(torch.tensor([[1, 2]] * 3), past_key_values=cache)
+
+
+def test_h2o_slots_hold_each_tokens_accumulated_attention_as_alone(gqa_base):
+    """H2O's state in the slots: every held token's attention summed over the prefill and every
+    step, per (row, KV head), equal to what the row's prompt alone accumulates token by token (a
+    slot reused after a drop starts its new token from zero)."""
+    method, model = _installed(gqa_base, "h2o")
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        cache = method.make_cache(model)
+        new, _ = _greedy_with_cache(model, method, ids, mask, cache)
+        for row, prompt in enumerate(PROMPTS):
+            alone = method.make_cache(model)
+            model(torch.tensor([prompt + new[row][:-1]])[:, :len(prompt)], past_key_values=alone)
+            for t in new[row][:-1]:
+                model(torch.tensor([[t]]), past_key_values=alone)
+            for layer in range(len(cache.layers)):
+                slots = cache.slots
+                held = slots.held[layer][row]
+                for h in range(held.shape[0]):
+                    ours = {int(p): float(a) for p, a, k in zip(slots.positions[layer][row, h],
+                                                               slots.accumulated[layer][row, h], held[h]) if k}
+                    theirs = dict(zip(alone.layers[layer].positions[0, h].tolist(),
+                                      alone.policy.accumulated[layer][0, h].tolist()))
+                    assert ours.keys() == theirs.keys(), (row, layer, h)
+                    assert max(abs(ours[p] - theirs[p]) for p in ours) < 1e-5, (row, layer, h)
+
+
+def _greedy_with_cache(model, method, ids, mask, cache):
+    """`greedy_static_subset`'s steps on a cache the test keeps (8 new tokens, no stop)."""
+    orig = method.make_cache
+    method.make_cache = lambda m: cache
+    try:
+        return static_subset.greedy_static_subset(model, method, ids, mask, 8, set(), graph=False)
+    finally:
+        method.make_cache = orig

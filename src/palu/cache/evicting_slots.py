@@ -1,7 +1,8 @@
 """A padded batch's kept tokens in a fixed number of slots per (row, KV head), one token dropped a
 step once a head holds its cap: decode steps of the methods that evict as they decode
 (StreamingLLM: the oldest token past the sinks; TOVA: the token the step's query attends to
-least), with one shape and no host read, so they replay as CUDA graphs
+least; H2O: the older token with the least attention summed over every step, kept per slot),
+with one shape and no host read, so they replay as CUDA graphs
 (`eval/static_subset.greedy_static_subset`).
 
 After the method's own eager prefill a head holds at most `policy.slot_cap` tokens (rows holding
@@ -23,6 +24,7 @@ class EvictingSlots:
     def __init__(self, cache, new_tokens: int, policy):
         self.policy, self.cap = policy, policy.slot_cap
         self.keys, self.values, self.positions, self.held, self.free, self.counts = [], [], [], [], [], []
+        self.accumulated = []   # per layer (B, H, W) float32: a token's attention summed over steps (H2O)
         for i, lay in enumerate(cache.layers):
             if lay.keys is None:
                 raise ValueError(f"layer {i} holds no tokens: prefill the batch through the cache first")
@@ -44,6 +46,23 @@ class EvictingSlots:
             self.held.append(held)
             self.free.append(self._first_empty(held))
             self.counts.append(held[:, 0].sum(-1))                                # (B,) tokens kept
+            if policy.accumulates:
+                self.accumulated.append(self._accumulated(cache, i, held, width))
+
+    @staticmethod
+    def _accumulated(cache, layer: int, held: torch.Tensor, width: int) -> torch.Tensor:
+        """The prefill's accumulated attention of each held token, in its slot: the policy's
+        (B, H, n) for an unpadded batch, each row's own policy's (1, H, n_b) over its real slots
+        (in slot order, every KV head holding n_b) for a padded one."""
+        B, H, _ = held.shape
+        out = torch.zeros(B, H, width, dtype=torch.float32, device=held.device)
+        if cache.row_policies is None:
+            state = cache.policy.accumulated[layer]
+            out[..., :state.shape[-1]] = state
+            return out
+        for b, policy in enumerate(cache.row_policies):
+            out[b].masked_scatter_(held[b], policy.accumulated[layer][0].float())
+        return out
 
     @staticmethod
     def _first_empty(held: torch.Tensor) -> torch.Tensor:
@@ -66,7 +85,12 @@ class EvictingSlots:
         weights = logits.masked_fill(~held[:, :, None], float("-inf")).softmax(-1)
         out = (weights @ V).reshape(B, -1, 1, d)
         over = held.sum(-1) > self.cap                                             # (B, H)
-        victim = self.policy.slot_victim(weights.mean(2), pos, held)
+        votes = weights.mean(2)
+        if self.accumulated:   # H2O: the new token's sum starts here, every held token adds its share
+            votes = self.accumulated[layer]
+            votes.scatter_(2, slot, 0.0)
+            votes.add_(weights.sum(2).float().masked_fill(~held, 0.0))
+        victim = self.policy.slot_victim(votes, pos, held)
         dropped = held.gather(2, victim[..., None]) & ~over[..., None]            # unchanged unless over
         held.scatter_(2, victim[..., None], dropped)
         free.copy_(torch.where(over, victim, self._first_empty(held)))

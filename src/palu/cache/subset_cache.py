@@ -70,8 +70,7 @@ class SubsetPolicy:
         return None
 
     # decode steps in slots that drop one token a step (`cache/evicting_slots.py`): the most tokens a
-    # row's KV head holds after a step; None: no such rule (no eviction after the prefill, or state
-    # per token, as H2O's scores)
+    # row's KV head holds after a step; None: no such rule (no eviction after the prefill)
     slot_cap: int | None = None
 
     def slot_victim(self, votes: torch.Tensor, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -81,9 +80,18 @@ class SubsetPolicy:
         makes for the row alone."""
         raise NotImplementedError
 
+    # whether the slots accumulate every step's attention per token and hand the sums to
+    # `slot_victim` as its votes (H2O), instead of the step's attention alone (TOVA)
+    accumulates = False
+
     def map_rows(self, layer: int, fn) -> None:
         """Apply `fn` (a reordering, repetition or selection of the batch axis, dim 0) to any state
         the policy holds per row of `layer` (H2O's accumulated scores); default: none held."""
+
+    def state_for_bytes(self, held: dict) -> "SubsetPolicy":
+        """This policy as a row holding `held` {layer: (1, H, n) meta tensor} would hold it, for
+        counting bytes (`static_subset.row_nbytes`); default: no state per token, itself."""
+        return self
 
 
 class _SubsetLayer(CacheLayerMixin):

@@ -1,6 +1,6 @@
 """Greedy decoding of a left-padded batch through a token-subset method with each decode step
 captured once as a CUDA graph and replayed (issue 49, item 4): SnapKV and PyramidKV (choosing once,
-after the prefill: `cache/subset_slots.py`), StreamingLLM and TOVA (dropping a token a step:
+after the prefill: `cache/subset_slots.py`), StreamingLLM, TOVA and H2O (dropping a token a step:
 `cache/evicting_slots.py`), Quest (choosing the pages each step reads, over the same slots).
 
 The prefill is the method's own, eager and left-padded (`SubsetKVAttention`: each row scores and
@@ -26,7 +26,7 @@ def subset_enabled(method) -> bool:
     or 0. Checked on the H200 (session 36, `results/checks/h200-static-subset-check.json`): the
     replayed steps equal the same steps run eagerly (logits 0.0 apart), and 14 of 16 rows keep the
     eager loop's tokens over 24 steps (the decode attention is another kernel in fp16), for SnapKV
-    and PyramidKV alike. The methods that evict every step (StreamingLLM, TOVA: `EvictingSlots`)
+    and PyramidKV alike. The methods that evict every step (StreamingLLM, TOVA, H2O: `EvictingSlots`)
     and Quest (selecting each step) only with PALU_STATIC_DECODE=all, until a GPU run checks them."""
     switch = _switch()
     policy = getattr(method, "policy", None)
@@ -48,7 +48,7 @@ def subset_unsupported(model, method) -> str | None:
     if policy.select is not SubsetPolicy.select and getattr(cache.policy, "select_rows", None) is None:
         return f"method {method.name!r} chooses what a decode step reads by a rule with no batch form"
     if cache.policy.keeps_after_prefill and cache.policy.slot_cap is None:
-        return f"method {method.name!r} evicts after the prefill by a rule with state per token"
+        return f"method {method.name!r} evicts after the prefill by a rule without a slot form (slot_cap)"
     return None
 
 
@@ -89,7 +89,9 @@ def row_nbytes(method, cache, tokens: list[int]) -> dict:
     l, as the batch cache's layers hold them (dtype, KV heads, head width, positions), on the meta
     device: shapes only, nothing allocated."""
     from ..cache.subset_cache import SubsetKVCache
-    row = SubsetKVCache(cache.policy, len(cache.layers), cache.owner)
+    shapes = {i: (lay.keys.shape[1], n) for i, (lay, n) in enumerate(zip(cache.layers, tokens))}
+    policy = cache.policy.state_for_bytes({i: torch.empty(1, H, n, device="meta") for i, (H, n) in shapes.items()})
+    row = SubsetKVCache(policy, len(cache.layers), cache.owner)
     for i, (lay, n) in enumerate(zip(cache.layers, tokens)):
         _, H, _, d = lay.keys.shape
         kv = torch.empty(1, H, n, d, dtype=lay.keys.dtype, device="meta")

@@ -6,6 +6,7 @@ heads); once a KV head holds more than `budget` tokens, it keeps the newest `win
 one token at a time is the method, so one-pass scores are refused (`one_pass`)."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,24 @@ class H2OPolicy(ScoredEviction):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.accumulated.values())
+
+    # decode steps in slots (cache/evicting_slots.py): the slots keep each token's accumulated
+    # attention (this policy's `accumulated`, float32) and hand the sums here as `votes`
+    @property
+    def slot_cap(self) -> int:
+        return self.budget_tokens
+
+    def slot_victim(self, votes, positions, held):
+        # the older token (not among the newest `window`) with the least attention accumulated:
+        # `choose`'s top-k of budget - window among the older tokens drops it
+        newest = positions.masked_fill(~held, -1).amax(-1, keepdim=True)
+        older = held & (positions <= newest - self.window)
+        return votes.masked_fill(~older, float("inf")).argmin(-1)
+
+    def state_for_bytes(self, held):
+        out = copy.copy(self)
+        out.accumulated = {layer: t.float() for layer, t in held.items()}
+        return out
 
 
 @dataclass
