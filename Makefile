@@ -88,7 +88,7 @@ wheelhouse: $(STAMP)
 # GPU_PART_MIB for a host whose transfers are capped; on the host `workflow/gpu_host.sh` stages,
 # joins (sha256 checked) and installs them (README, "Run on a GPU host without internet").
 GPU_PARTS    ?= work/gpu-parts
-GPU_PART_MIB ?= 24
+GPU_PART_MIB ?= auto
 GPU_CARRY    ?= $(WHEELHOUSE)
 
 gpu-parts: $(STAMP)

@@ -1,13 +1,13 @@
 """Files for a GPU host whose transfers are capped: one bundle, cut into parts that each fit one
 transfer, checked part by part on arrival and as a whole before anything is unpacked.
 
-    python workflow/gpu_parts.py split work/gpu-parts work/wheelhouse [more paths] --part-mib 24
+    python workflow/gpu_parts.py split work/gpu-parts work/wheelhouse [more paths] [--part-mib auto]
     # one transfer per part: the folder work/gpu-parts/pK (its part and the manifest)
     python3 workflow/gpu_parts.py stage work/gpu-parts/pK /tmp/palu-stage     # on the host, each
     python3 workflow/gpu_parts.py join /tmp/palu-stage .                      # on the host, last
 
-Why: the device calls this project uses carry at most 64 MiB with the checkout (~36 MiB of it
-tracked files), and the machine keeps what a call wrote outside the checkout only while it stays
+Why: the device calls this project uses carry at most 64 MiB with the checkout (46 MiB of it
+tracked files in session 38; `--part-mib auto` sizes the parts to what is left), and the machine keeps what a call wrote outside the checkout only while it stays
 warm (README, "Run on a GPU host without internet"). `split` tars the given paths (relative to the
 checkout; no absolute path, none outside it) and cuts the tar into parts; `manifest.json` holds
 each part's sha256 and the whole's. `stage` copies one part beside the others, refusing a part
@@ -21,7 +21,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
+import os
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -29,6 +32,11 @@ from pathlib import Path
 
 MANIFEST = "manifest.json"
 CHUNK = 1 << 20
+# what one device call carries: the checkout's tracked and untracked-not-ignored files plus the
+# carried paths, counted as disk use (blocks: a 17-MiB part beside 46.07 MiB of tracked files went,
+# a 19-MiB one was refused, session 38)
+LIMIT_MIB = 64.0
+MARGIN_MIB = 0.5
 
 
 def _sha256(path: Path) -> str:
@@ -49,6 +57,28 @@ def _inside(root: Path, rel: str) -> Path:
     if not path.exists():
         raise SystemExit(f"{rel!r}: no such file or folder under {root}")
     return path
+
+
+def travelling_mib(root: Path) -> float:
+    """Disk use, in MiB of blocks, of the checkout's files that travel with every call."""
+    listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], capture_output=True, check=True).stdout
+    total = 0
+    for rel in filter(None, listed.decode().split("\0")):
+        path = root / rel
+        if path.is_file() and not path.is_symlink():
+            total += os.stat(path).st_blocks * 512
+    return total / 2**20
+
+
+def auto_part_mib(root: Path, limit: float = LIMIT_MIB) -> float:
+    """The largest part (in steps of 0.5 MiB) that travels beside the checkout within `limit`:
+    what is left after the travelling files, a part's manifest block and a margin."""
+    room = limit - travelling_mib(root) - MARGIN_MIB - 4 / 1024
+    if room < 1:
+        raise SystemExit(f"the checkout's travelling files leave {room:.2f} MiB of the {limit:g} MiB a call "
+                         "carries: too little for a part (ignore or carry less)")
+    return math.floor(room * 2) / 2
 
 
 def split(out: Path, paths: list[str], part_mib: float, root: Path = Path(".")) -> dict:
@@ -139,7 +169,8 @@ def main(argv=None) -> None:
     s = sub.add_parser("split")
     s.add_argument("out", type=Path)
     s.add_argument("paths", nargs="+")
-    s.add_argument("--part-mib", type=float, default=24.0)
+    s.add_argument("--part-mib", default="auto",
+                   help="MiB a part; auto: what a call carries beside the checkout (auto_part_mib)")
     g = sub.add_parser("stage")
     g.add_argument("part", type=Path)
     g.add_argument("dest", type=Path)
@@ -148,7 +179,16 @@ def main(argv=None) -> None:
     j.add_argument("root", type=Path)
     args = ap.parse_args(argv)
     if args.cmd == "split":
-        m = split(args.out, args.paths, args.part_mib)
+        if args.part_mib == "auto":
+            part_mib = auto_part_mib(Path("."))
+            print(f"parts of {part_mib:g} MiB: the checkout's travelling files take "
+                  f"{travelling_mib(Path('.')):.2f} of the {LIMIT_MIB:g} MiB a call carries")
+        else:
+            try:
+                part_mib = float(args.part_mib)
+            except ValueError:
+                raise SystemExit(f"--part-mib {args.part_mib!r}: a number of MiB or auto") from None
+        m = split(args.out, args.paths, part_mib)
         print(f"{m['bytes'] / 2**20:.1f} MiB in {len(m['parts'])} parts under {args.out} "
               f"(sha256 {m['bundle_sha256'][:12]}); carry {args.out}/pK in call K, then join")
     elif args.cmd == "stage":

@@ -98,3 +98,24 @@ def test_a_member_that_escapes_the_root_is_not_unpacked(tmp_path):
     with pytest.raises(tarfile.OutsideDestinationError):
         gpu_parts.join(staged, root)
     assert not (tmp_path / "escaped.txt").exists() and not (staged / "bundle.tar.tmp").exists()
+
+
+def test_auto_parts_fill_what_a_call_carries_beside_the_checkout(tmp_path):
+    """`--part-mib auto`: the call's limit less the disk use of the files that travel (tracked and
+    untracked-not-ignored, not the ignored), a part's manifest block and a margin; refused when
+    too little is left."""
+    import subprocess
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / ".gitignore").write_text("work/\n")
+    (root / "tracked.bin").write_bytes(b"x" * (3 << 20))
+    (root / "untracked.bin").write_bytes(b"y" * (1 << 20))
+    (root / "work").mkdir()
+    (root / "work" / "ignored.bin").write_bytes(b"z" * (8 << 20))
+    subprocess.run(["git", "-C", str(root), "add", "tracked.bin", ".gitignore"], check=True)
+    travelling = gpu_parts.travelling_mib(root)
+    assert 4.0 <= travelling < 4.1
+    assert gpu_parts.auto_part_mib(root, limit=64.0) == 59.0        # 64 - 4.0x - 0.5 - a block, by 0.5
+    with pytest.raises(SystemExit, match="too little for a part"):
+        gpu_parts.auto_part_mib(root, limit=5.0)
