@@ -222,3 +222,20 @@ def _greedy_alone(model, method, prompt, n):
         logits.append(model(torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1])
         tokens.append(int(logits[-1].argmax()))
     return tokens, logits
+
+
+def check_slots_refuse_misuse(model, method, slots_type):
+    """Preallocated slots (`slots_type(cache, new_tokens)`) refuse a cache not yet prefilled, and a
+    cache in slots refuses a step of more than one token a row."""
+    import pytest
+    import torch
+    ids, mask = left_padded(PROMPTS)
+    cache = method.make_cache(model)
+    with pytest.raises(ValueError, match="prefill the batch through the cache first"):
+        slots_type(cache, 4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+    cache.slots = slots_type(cache, 4)
+    with pytest.raises(ValueError, match="one token a row a step"):
+        with torch.no_grad():
+            model(torch.tensor([[1, 2]] * 3), past_key_values=cache)

@@ -12,7 +12,7 @@ import torch
 from palu.eval import generation, static_quant
 from palu.methods import build_method
 
-from tiny import PAD, PROMPTS, fitted_state, greedy_alone, left_padded, tiny_llama
+from tiny import PAD, PROMPTS, check_slots_refuse_misuse, fitted_state, greedy_alone, left_padded, tiny_llama
 
 # windows and key blocks small enough that every row codes blocks while it decodes (prompts of
 # 7, 12 and 3 tokens, 10 new tokens); a sink for the schedule's other counter (Atom's codes are
@@ -127,16 +127,7 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
     from palu.cache.quant_slots import QuantSlots
     method, model = _installed(gqa_base, "kivi", None)
-    ids, mask = left_padded(PROMPTS)
-    cache = method.make_cache(model)
-    with pytest.raises(ValueError, match="prefill the batch through the cache first"):
-        QuantSlots(cache, 4)
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
-    cache.slots = QuantSlots(cache, 4)
-    with pytest.raises(ValueError, match="one token a row a step"):
-        with torch.no_grad():
-            model(torch.tensor([[1, 2]] * 3), past_key_values=cache)
+    check_slots_refuse_misuse(model, method, QuantSlots)
 
 
 def test_a_first_step_of_padding_alone_is_refused(gqa_base):

@@ -12,7 +12,7 @@ import torch
 from palu.eval import generation, static_subset
 from palu.methods import build_method
 
-from tiny import PAD, PROMPTS, greedy_alone, left_padded, tiny_llama
+from tiny import PAD, PROMPTS, check_slots_refuse_misuse, greedy_alone, left_padded, tiny_llama
 
 CONF = {"snapkv": {"name": "snapkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
         "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5, "window": 2, "kernel": 1},
@@ -105,19 +105,9 @@ def test_who_it_serves(gqa_base, monkeypatch):
 
 
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):
+    from palu.cache.subset_slots import SubsetSlots
     method, model = _installed(gqa_base, "snapkv")
-    ids, mask = left_padded(PROMPTS)
-    _, _ = static_subset.greedy_static_subset(model, method, ids, mask, 2, set(), graph=False)
-    cache = method.make_cache(model)
-    with pytest.raises(ValueError, match="prefill the batch through the cache first"):
-        from palu.cache.subset_slots import SubsetSlots
-        SubsetSlots(cache, 4)
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
-    cache.slots = SubsetSlots(cache, 4)
-    with pytest.raises(ValueError, match="one token a row a step"):
-        with torch.no_grad():
-            model(torch.tensor([[1, 2]] * 3), past_key_values=cache)
+    check_slots_refuse_misuse(model, method, SubsetSlots)
 
 
 def test_h2o_slots_hold_each_tokens_accumulated_attention_as_alone(gqa_base):
