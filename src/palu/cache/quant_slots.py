@@ -15,8 +15,9 @@ in tensors of one shape with every count on the device, so a step can be capture
     elsewhere: the same codec call on the same exact block as `DenseRows`, so the same forms;
   - attention groups the query heads by KV head over the buffer (`grouped_decode`).
 
-So a row sees, at every step, the (key, value) pairs `DenseRows` gives it, which the reference
-layer gives it (tests/unit/test_static_quant_decode.py: every row of a left-padded batch within
+A padded batch prefilled right-padded (`QuantSlots(..., lengths=)`) is coded into its rows' forms
+here, from the exact keys and values its layers kept (`_row_forms`). So a row sees, at every step,
+the (key, value) pairs `DenseRows` gives it, which the reference layer gives it (tests/unit/test_static_quant_decode.py: every row of a left-padded batch within
 1e-9 of its prompt alone in float64, answers and bytes equal to the eager loop's).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ class QuantSlots:
         row alone holds them (`_row_forms`)."""
         pads = None if mask is None else (mask.shape[1] - mask.long().sum(-1)).tolist()
         self.keys, self.values, self.masks, self.widths, self.starts, self.counts = [], [], [], [], [], []
+        self.held = []   # per layer, each row's tokens after the prefill, on the host (for bytes)
         self.codecs, self.schedule = None, None
         for i, lay in enumerate(cache.layers):
             if not lay.is_initialized or lay.get_seq_length() == 0:
@@ -72,6 +74,7 @@ class QuantSlots:
             self.widths.append(width)
             self.starts.append(start)
             self.counts.append(count)
+            self.held.append(held)
         self.step = torch.zeros(1, dtype=torch.long, device=self.keys[0].device)   # advanced on the device
         self.new_tokens = new_tokens
 
@@ -152,8 +155,8 @@ class _SlotRowBytes:
     def nbytes(self) -> dict:
         s = self.slots
         totals: dict = {}
-        for layer, (keys, count) in enumerate(zip(s.keys, s.counts)):
-            n = int(count[self.b]) + self.new
+        for layer, (keys, held) in enumerate(zip(s.keys, s.held)):
+            n = held[self.b] + self.new
             part = held_nbytes(s.codecs, s.schedule, layer, n, (keys, s.values[layer]))
             for key, value in part.items():
                 totals[key] = totals.get(key, 0) + value
