@@ -106,6 +106,6 @@ def test_a_named_budget_is_spent_and_names_the_allocation(setup):
     from palu.decompose.ranks import get_allocator
     model, grams, stats, windows = setup
     svds = whitened_svds(model, grams, 1)
-    found = get_allocator("search-e30").probe(model, svds, stats, 0.5, 1, 2, windows, None)
-    assert found["method"] == "search-e30"
-    assert found["search"]["budget"] == 30 and found["search"]["evaluations"] <= 30
+    found = get_allocator("search-e12").probe(model, svds, stats, 0.5, 1, 2, windows, None)
+    assert found["method"] == "search-e12"
+    assert found["search"]["budget"] == 12 and found["search"]["evaluations"] <= 12
