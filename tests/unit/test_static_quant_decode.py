@@ -27,6 +27,12 @@ CONF = {"kivi": {"name": "kivi", "bits": 2, "group": 4, "residual": 4},
 NEW = 10
 
 
+@pytest.fixture(autouse=True)
+def every_slot_path(monkeypatch):
+    """The right-padded prefill is opt-in (PALU_STATIC_DECODE=all) until a GPU checks it."""
+    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
+
+
 @pytest.fixture(scope="module")
 def gqa_base():
     """4 query heads over 2 KV heads, 3 layers."""
@@ -117,6 +123,8 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
         assert why in static_quant.quant_unsupported(model, method), name
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
     assert static_quant.quant_enabled()        # the default since the H200 check
+    kivi, model = _installed(gqa_base, "kivi", None)
+    assert not static_quant.right_padded_prefill(model, kivi)   # opt-in until a GPU checks it
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
     assert static_quant.quant_enabled()
     for off in ("palu", "fp16", "0"):
