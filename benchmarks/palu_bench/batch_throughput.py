@@ -57,7 +57,8 @@ METHODS = {
     "quest-graph": {"name": "quest", "page": 16, "budget": 1024, "decode": "all"},
     "h2o-graph": {"name": "h2o", "budget": 2048, "window": 64, "decode": "all"},
     # the quantised caches in preallocated slots, blocks coded on the device, replayed
-    # (cache/quant_slots.py; opt-in until checked on a GPU: PALU_STATIC_DECODE=all)
+    # (cache/quant_slots.py; the default since session 38, so `kivi-b2` above takes them too);
+    # with PALU_STATIC_DECODE=all a padded batch also prefills right-padded (opt-in until checked)
     "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},
     "kivi-b4-graph": {"name": "kivi", "bits": 4, "decode": "all"},
     "kivi_snapkv-graph": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5, "decode": "all"},
