@@ -96,6 +96,8 @@ def register_allocator(name: str, allocator: Allocator) -> Allocator:
         raise ValueError(f"rank allocator {name!r} is registered twice")
     if allocator.units is None and allocator.probe is None:
         raise ValueError(f"rank allocator {name!r} has neither units nor probe")
+    if allocator.held_out and allocator.windows < 1:   # its callers cut `windows` held-out windows
+        raise ValueError(f"rank allocator {name!r} probes held-out text but reads {allocator.windows} windows")
     ALLOCATORS[name] = allocator
     return allocator
 
