@@ -11,10 +11,15 @@ may not be. Writes OUT/static-subset-check.json.
 
   python benchmarks/experiments/static_subset_check.py OUT_DIR MODEL TEXT \
       [methods=snapkv,pyramidkv,tova,streaming_llm,quest,h2o,kivi,kivi-b4,kivi_snapkv] [batch=64] \
-      [length=4032] [new=64] [device=cuda] [dtype=float16] [loop=all]
+      [length=4032] [new=64] [device=cuda] [dtype=float16] [loop=all] [paths=graph,static-eager]
+      [alone=0]
 
 `loop`: the methods whose eager loop is timed too (at a batch of 64 x 4K Quest's and StreamingLLM's
 eager loops take minutes; session 36's figures stand for them); `all` for every method.
+`paths`: the slot paths timed on the large batch. `alone=K`: the first K prompts of the large batch
+answered one at a time through the same slot path, against their rows of the timed batch ("graph"
+must be timed): how many answers a batch changes (fp16 reductions of another shape can flip an
+argmax; the share is reported, never hidden).
 
 On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of the script).
 """
@@ -94,11 +99,28 @@ def check(model, method, ids, mask, graph: bool) -> dict:
     return out
 
 
+def _alone(greedy, model, method, ids, mask, batch_answers, new, graph) -> dict:
+    """Each of the first rows answered alone (its prompt without the pads, batch 1) against its row
+    of the batch: equal answers, and where the first pair differs."""
+    first = []
+    for row, expected in enumerate(batch_answers):
+        real = ids[row, mask[row].bool()][None]
+        got = greedy(model, method, real, torch.ones_like(real), new, set(), graph=graph)[0][0]
+        first.append(next((k for k, (x, y) in enumerate(zip(got, expected)) if x != y),
+                          None if len(got) == len(expected) else min(len(got), len(expected))))
+    return {"rows": len(first), "equal": sum(f is None for f in first), "first_differing_step": first,
+            "batch": int(ids.shape[0]), "new_tokens": new}
+
+
 def main(out_dir, model_path, text_path, *opts):
     args = {"methods": "snapkv,pyramidkv", "loop": "all", "batch": "64", "length": "4032", "new": "64", "device": "cuda",
-            "dtype": "float16"}
+            "dtype": "float16", "paths": "graph,static-eager", "alone": "0"}
     args.update(o.split("=", 1) for o in opts)
-    batch, length, new = (int(args[k]) for k in ("batch", "length", "new"))
+    batch, length, new, alone = (int(args[k]) for k in ("batch", "length", "new", "alone"))
+    timed = set(filter(None, args["paths"].split(",")))   # paths= : the checks alone
+    if timed - {"graph", "static-eager"} or (alone and "graph" not in timed) or alone > batch:
+        raise SystemExit(f"paths={args['paths']!r}, alone={alone}: paths among graph, static-eager; "
+                         f"alone needs graph and at most batch={batch}")
     device = args["device"]
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "static-subset-check.json")
@@ -131,6 +153,10 @@ def main(out_dir, model_path, text_path, *opts):
                      model, method.make_cache(model), ids, mask, n, set())}
         if args["loop"] != "all" and name not in args["loop"].split(","):
             del paths["eager-loop"]
+        for path_name in ("graph", "static-eager"):
+            if path_name not in timed:
+                del paths[path_name]
+        answers = None
         for path_name, fn in paths.items():
             held_before = None
             if device == "cuda":
@@ -145,7 +171,7 @@ def main(out_dir, model_path, text_path, *opts):
             try:
                 fn(2)   # warm-up: kernel selection, graph capture, allocator growth
                 pre, _ = _timed(lambda: fn(1), device)
-                full, _ = _timed(lambda: fn(new), device)
+                full, out = _timed(lambda: fn(new), device)
             except torch.OutOfMemoryError:
                 result["timing"].append({"method": name, "path": path_name, "batch": batch, "oom": True,
                                          "held_before": held_before,
@@ -157,6 +183,12 @@ def main(out_dir, model_path, text_path, *opts):
                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None}
             result["timing"].append(row)
             print(json.dumps(row), flush=True)
+            save()
+            if path_name == "graph":
+                answers = out[0]
+        if alone and answers is not None:
+            result["checks"][name]["alone"] = _alone(greedy, model, method, ids, mask, answers[:alone], new, graph)
+            print(json.dumps({name: {"alone": result["checks"][name]["alone"]}}), flush=True)
             save()
         del model
     result["pass"] = all(c["verdict"]["pass"] for c in result["checks"].values())
