@@ -52,15 +52,15 @@ from palu.models.loading import load_model
 MODEL = "work/models/smollm2-135m"
 PALU = "work/palu/smollm2-135m/wiki_standin-n24-L2048-s0-float32/no-fisher/palu-whitened-uniform-k0.5-g3-m8"
 METHODS = {"fp16": None, "palu-50%": {"name": "palu", "checkpoint": PALU},
-           "palu-50% 4-bit": {"name": "palu", "checkpoint": PALU, "bits": 4},
+           "palu-50% 4-bit": {"name": "palu", "checkpoint": PALU, "latent_bits": 4},
            "kivi-2": {"name": "kivi", "bits": 2}, "kivi-4": {"name": "kivi", "bits": 4},
            "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 128},
            "snapkv": {"name": "snapkv", "compression_ratio": 0.5},
            "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5},
            "tova": {"name": "tova", "budget": 128}, "quest": {"name": "quest", "page": 16, "budget": 64},
            "kivi-2 + snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
-           "palu-50% 4-bit + snapkv": {"name": "palu_snapkv", "checkpoint": PALU, "bits": 4, "evict_ratio": 0.5},
-           "palu-50% 4-bit + tova": {"name": "palu_tova", "checkpoint": PALU, "bits": 4, "budget": 128}}
+           "palu-50% 4-bit + snapkv": {"name": "palu_snapkv", "checkpoint": PALU, "latent_bits": 4, "evict_ratio": 0.5},
+           "palu-50% 4-bit + tova": {"name": "palu_tova", "checkpoint": PALU, "latent_bits": 4, "budget": 128}}
 SYNCS = {"nonzero", "item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy", "unique",
          "masked_select"}
 MASKED = {"__getitem__", "index"}   # indexing with a boolean mask: its result's size is data

@@ -25,7 +25,7 @@ from palu.models.loading import load_model
 
 MODEL = "work/models/smollm2-135m"
 PALU = "work/palu/smollm2-135m/wiki_standin-n24-L2048-s0-float32/no-fisher/palu-whitened-uniform-k0.5-g3-m8"
-METHODS = {"fp16": None, "palu-50% 4-bit": {"name": "palu", "checkpoint": PALU, "bits": 4},
+METHODS = {"fp16": None, "palu-50% 4-bit": {"name": "palu", "checkpoint": PALU, "latent_bits": 4},
            "snapkv": {"name": "snapkv", "compression_ratio": 0.5}}
 LENGTH, PER_TASK, BATCH = 1024, 4, 8
 TASKS = ["niah_single", "niah_multikey", "niah_multivalue", "vt", "qa"]

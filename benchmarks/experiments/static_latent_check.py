@@ -67,7 +67,7 @@ def main(out_dir, model_path, checkpoint, text_path, *opts):
         os.replace(path + ".tmp", path)
     model, tok = palu.load_model(model_path, dtype=args["dtype"], device=device)
     model.generation_config.eos_token_id = None
-    method = build_method({"name": "palu", "checkpoint": checkpoint, "bits": bits})
+    method = build_method({"name": "palu", "checkpoint": checkpoint, "latent_bits": bits})
     method.install(model)
     why = static_decode.latent_unsupported(model, method)
     if why is not None:

@@ -31,11 +31,11 @@ import torch
 METHODS = {
     "fp16": {"name": "fp16"},
     "fp16-eager": {"name": "fp16", "decode": "0"},   # the eager decode loop (PALU_STATIC_DECODE=0)
-    "palu50-b16": {"name": "palu", "bits": 16, "decode": "fp16"},   # the eager LatentCache loop
-    "palu50-b4": {"name": "palu", "bits": 4, "decode": "fp16"},
+    "palu50-b16": {"name": "palu", "latent_bits": 16, "decode": "fp16"},   # the eager LatentCache loop
+    "palu50-b4": {"name": "palu", "latent_bits": 4, "decode": "fp16"},
     # plain Palu through GraphLatentCache and replayed steps (the default since session 35)
-    "palu50-b16-graph": {"name": "palu", "bits": 16},
-    "palu50-b4-graph": {"name": "palu", "bits": 4},
+    "palu50-b16-graph": {"name": "palu", "latent_bits": 16},
+    "palu50-b4-graph": {"name": "palu", "latent_bits": 4},
     "atom-b4": {"name": "atom", "bits": 4},
     "turboquant-b3": {"name": "turboquant", "bits": 3},
     "kivi-b2": {"name": "kivi", "bits": 2},

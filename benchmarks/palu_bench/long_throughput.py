@@ -30,9 +30,9 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 # the long grid's methods (conf/grid/long.yaml), palu ones built on a random-calibration checkpoint
 METHODS = {
     "fp16": None,
-    "palu50-4bit": {"name": "palu", "bits": 4},
-    "palu_select": {"name": "palu_select", "bits": 4, "tokens": 256, "window": 32},
-    "palu_snapkv": {"name": "palu_snapkv", "bits": 4, "evict_ratio": 0.5},
+    "palu50-4bit": {"name": "palu", "latent_bits": 4},
+    "palu_select": {"name": "palu_select", "latent_bits": 4, "tokens": 256, "window": 32},
+    "palu_snapkv": {"name": "palu_snapkv", "latent_bits": 4, "evict_ratio": 0.5},
     "kivi-2": {"name": "kivi", "bits": 2},
     "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2044},
     "snapkv": {"name": "snapkv", "compression_ratio": 0.5},

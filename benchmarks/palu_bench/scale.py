@@ -140,7 +140,9 @@ def _method(conf: dict, checkpoint: str | None, state: str | None):
 
 
 def _label(conf: dict) -> str:
-    return conf["name"] + (f"-b{conf['bits']}" if "bits" in conf else "")
+    """palu-b4, kivi-b2, ...: a quantiser's `bits` or Palu's `latent_bits`."""
+    width = conf.get("bits", conf.get("latent_bits"))
+    return conf["name"] + ("" if width is None else f"-b{width}")
 
 
 def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = None) -> tuple[list[dict], dict]:

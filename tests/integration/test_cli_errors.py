@@ -32,6 +32,9 @@ BAD_INPUTS = [
     ("ranks", ["palu.kept_ratio=0"], "palu.kept_ratio=0"),
     ("ranks", ["palu.group_size=2"], "group_size=2 does not divide the 3 KV heads"),
     ("evaluate", ["method=palu", "method.checkpoint=/nonexistent"], "is not a Palu checkpoint"),
+    # the latent width's old key (issue 52 item 4): refused by its new name before Hydra's own message
+    ("evaluate", ["method=palu", "method.checkpoint=x", "method.bits=4"],
+     "method.bits: method=palu calls this field 'latent_bits' now"),
     # the KV-quantisation baselines (issue 16): bits, groups and windows that do not fit, an
     # outlier fraction out of range, an unknown rotation or method
     ("evaluate", ["method=atom", "method.bits=5"], "method.bits=5 is not one of [2, 3, 4, 8]"),
@@ -140,7 +143,7 @@ def test_an_unsupported_family_is_refused_by_every_step(tmp_path):
 
 
 def test_a_checkpoint_is_evaluated_by_hand_with_its_folder_alone(tmp_path):
-    """Issue 35: `evaluate method=palu method.checkpoint=<dir> method.bits=4` needs no palu.*
+    """Issue 35: `evaluate method=palu method.checkpoint=<dir> method.latent_bits=4` needs no palu.*
     setting: the manifest says how the checkpoint was made (here J-LRD, group size 2, kept 0.7,
     where the palu.* defaults say M-LRD at 0.5; this used to fail after loading the model)."""
     import json
@@ -157,12 +160,12 @@ def test_a_checkpoint_is_evaluated_by_hand_with_its_folder_alone(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     proc, out = _run("evaluate", f"model.id={folder}", "model.name=tiny", "method=palu",
-                     f"method.checkpoint={tmp_path / 'ckpt'}", "method.bits=4", "data.seqlen=64",
+                     f"method.checkpoint={tmp_path / 'ckpt'}", "method.latent_bits=4", "data.seqlen=64",
                      "data.max_tokens=128", tmp_path=results)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["metrics"]["group_size"] == 2 and result["metrics"]["kept_ratio_target"] == 0.7
     assert result["metrics"]["kv_bits"] == 4 and result["metrics"]["ppl"] > 1
     # the record holds what evaluate read, not the palu.* defaults that describe another checkpoint
-    assert "palu" not in result["config"] and result["config"]["method"]["bits"] == 4
+    assert "palu" not in result["config"] and result["config"]["method"]["latent_bits"] == 4
     assert {"model", "data", "method"} <= set(result["config"])

@@ -28,7 +28,7 @@ class _InMemoryPalu:
         from palu.methods.palu import Palu
         return Palu.cache_nbytes(self, cache)
 
-    bits = 16
+    latent_bits = 16
 
 
 def test_full_rank_j_lrd_reproduces_smollm2(smollm):

@@ -46,7 +46,7 @@ def test_a_failed_step_is_an_error_row_and_its_dependants_are_skipped(tmp_path, 
     import palu.calib.gram as gram
     monkeypatch.setattr(gram, "collect_grams", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     cfg = _tiny_config(tmp_path)
-    cfg.update(load=False, methods=[{"name": "fp16"}, {"name": "palu", "bits": 4}])
+    cfg.update(load=False, methods=[{"name": "fp16"}, {"name": "palu", "latent_bits": 4}])
     cfg["longcontext"]["methods"] = [{"name": "fp16"}]
     rows = run(cfg, log=lambda *_: None)["rows"]
     by = {(r["step"], r["variant"]): r for r in rows}

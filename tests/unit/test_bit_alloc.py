@@ -141,7 +141,7 @@ def test_a_byte_allocated_checkpoint_evaluates_at_its_widths(setup, tmp_path):
     assert alloc["method"] == "error_aware_bytes" and alloc["byte_budget"]["used_bytes_per_token"] <= 0.2 * fp16
     path = tmp_path / "ckpt"
     result.save(path)
-    method = build_method({"name": "palu", "checkpoint": str(path), "bits": "alloc"})
+    method = build_method({"name": "palu", "checkpoint": str(path), "latent_bits": "alloc"})
     installed = copy.deepcopy(base)
     method.install(installed)
     assert method.layer_bits() == alloc["bits"] and method.tag.endswith("-balloc")
@@ -168,6 +168,6 @@ def test_a_byte_allocated_checkpoint_evaluates_at_its_widths(setup, tmp_path):
     # a checkpoint without widths refuses bits=alloc, naming the setting
     plain_ckpt = palu.compress(copy.deepcopy(base), None, 0.5, 1, multiple=4, progress=False, grams=grams)
     plain_ckpt.save(tmp_path / "plain")
-    refused = build_method({"name": "palu", "checkpoint": str(tmp_path / "plain"), "bits": "alloc"})
+    refused = build_method({"name": "palu", "checkpoint": str(tmp_path / "plain"), "latent_bits": "alloc"})
     with pytest.raises(MethodError, match="alloc"):
         refused.install(copy.deepcopy(base))

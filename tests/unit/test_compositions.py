@@ -129,9 +129,9 @@ def test_palu_snapkv_at_full_rank_is_snapkv(one_layer, palu_checkpoints):
 
 def test_palu_snapkv_holds_the_kept_tokens_latents_only_and_reads_no_evicted_one(one_layer, palu_checkpoints):
     base, ids, (_, _, _, snap_steps) = one_layer
-    conf = {"name": "palu_snapkv", "checkpoint": palu_checkpoints[0.5], "bits": 4, **EVICT}
+    conf = {"name": "palu_snapkv", "checkpoint": palu_checkpoints[0.5], "latent_bits": 4, **EVICT}
     method, cache, _, steps = _run(base, conf, ids)
-    alone, alone_cache, _, _ = _run(base, {"name": "palu", "checkpoint": palu_checkpoints[0.5], "bits": 4}, ids)
+    alone, alone_cache, _, _ = _run(base, {"name": "palu", "checkpoint": palu_checkpoints[0.5], "latent_bits": 4}, ids)
     kept = T // 2 + NEW
     n, full = method.cache_nbytes(cache), alone.cache_nbytes(alone_cache)
     for key in ("data", "metadata", "total"):     # every stored byte is per token: kept / all of it

@@ -94,7 +94,8 @@ def test_no_group_restates_the_schema():
     ("palu.rank_method=search-e400", "spells out a default"),
     ("tracking.mode=sometimes", "tracking.mode"),
     ("method=palu", "method.checkpoint"),
-    (["method=palu", "method.checkpoint=x", "method.bits=5"], "method.bits"),
+    (["method=palu", "method.checkpoint=x", "method.latent_bits=5"], "method.latent_bits"),
+    (["method=palu", "method.checkpoint=x", "+method.bits=4"], "'bits' is now 'latent_bits'"),
     ("device=gpu", "device"),
     ("longcontext.suite=babilong", "longcontext.suite"),
     ("longcontext.qasper.limit=0", "longcontext.qasper.limit"),
@@ -145,6 +146,37 @@ def test_a_grid_dtype_reaches_every_step_and_every_tag():
     assert set(half.longcontext_files()).isdisjoint(plain.longcontext_files())
     with pytest.raises(ValueError, match="grid dtype='half'"):
         Grid({**raw, "dtype": "half"})
+
+
+def test_palu_latent_widths_are_latent_bits_and_the_old_key_is_refused_by_the_new_name(monkeypatch):
+    """Issue 52 item 4: `bits` is a quantiser's code width; Palu's latent width is `latent_bits`
+    in every grid section and entry that sets one. The old key anywhere Palu reads a width fails
+    naming the new one, never silently taking 16."""
+    from palu.pipeline.grid import Grid
+    monkeypatch.setattr(Grid, "kv_heads", lambda self: 3)
+    raw = yaml.safe_load((Path(CONF_DIR) / "grid" / "default.yaml").read_text())
+    grid = Grid(raw)
+    assert sorted({s.latent_bits for s in grid.latent_bits_specs()}) == [2, 3, 4, 8, 16]
+    assert {s.latent_bits for s in grid.memory_runs().values() if hasattr(s, "latent_bits")} == {16, 3}
+    old = {
+        "latent_bits": {**raw["latent_bits"], "bits": raw["latent_bits"]["latent_bits"]},
+        "hadamard": {**raw["hadamard"], "bits": [4]},
+        "memory": {**raw["memory"], "bits": [16]},
+        "byte_budget": {**raw["byte_budget"], "budgets": [{"kept_ratio": 0.5, "bits": 4}]},
+        "quantization": {**raw["quantization"], "palu": {**raw["quantization"]["palu"], "bits": [4]}},
+        "rank_allocation": {**raw["rank_allocation"], "bits": [4]},
+        "zeroshot": {**raw["zeroshot"], "palu": [{"kept_ratio": 0.5, "group_size": 1, "bits": 3}]},
+    }
+    calls = {"latent_bits": "latent_bits_specs", "hadamard": "hadamard_specs", "memory": "memory_runs",
+             "byte_budget": "byte_budget_specs", "quantization": "quantization_palu_specs",
+             "rank_allocation": "rank_allocation_specs", "zeroshot": "zeroshot_runs"}
+    for key, section in old.items():
+        bad = Grid({**raw, key: section})
+        monkeypatch.setattr(bad, "geometry", None, raising=False)
+        with pytest.raises(ValueError, match=r"\.bits=.*is now `latent_bits`"):
+            getattr(bad, calls[key])()
+    # a quantiser's width keeps its word: the same grid's baselines say `bits`
+    assert all("bits" in m for m in raw["quantization"]["baselines"])
 
 
 # issue 21's tables as default.yaml describes them (commented out there until their results land)

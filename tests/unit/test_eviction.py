@@ -334,8 +334,8 @@ def test_latent_selection_composes_with_low_bit_latents(checkpoints):
     base, ckpt = checkpoints["llama"]
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(8))
     outs, sizes = [], []
-    for conf in ({"name": "palu", "checkpoint": ckpt, "bits": 4},
-                 {"name": "palu_select", "checkpoint": ckpt, "bits": 4, "tokens": 64, "window": 8}):
+    for conf in ({"name": "palu", "checkpoint": ckpt, "latent_bits": 4},
+                 {"name": "palu_select", "checkpoint": ckpt, "latent_bits": 4, "tokens": 64, "window": 8}):
         method, model = _installed(base, conf)
         cache = method.make_cache(model)
         with torch.no_grad():

@@ -127,7 +127,7 @@ def test_palu_checkpoints_decode_as_they_evaluate(family, bits, tmp_path):
     model = copy.deepcopy(base)
     result = palu.compress(model, _windows(0, 4), kept_ratio=0.5, group_size=1, multiple=8, progress=False)
     result.save(tmp_path / "ckpt")
-    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt"), "bits": bits})
+    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt"), "latent_bits": bits})
     model = copy.deepcopy(base)
     method.install(model)
     _decode_equals_one_pass(model, lambda: method.make_cache(model), (family, bits))
@@ -244,8 +244,8 @@ def test_each_row_of_a_left_padded_batch_generates_what_its_prompt_does_alone(fa
     n = max(map(len, PROMPTS))
     ids = torch.tensor([[0] * (n - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in PROMPTS])
-    for conf in ({"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": 16},
-                 {"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": 4},
+    for conf in ({"name": "palu", "checkpoint": str(tmp_path / "c"), "latent_bits": 16},
+                 {"name": "palu", "checkpoint": str(tmp_path / "c"), "latent_bits": 4},
                  {"name": "atom", "bits": 4}, {"name": "turboquant", "bits": 3}):
         method = build_method(dict(conf))
         model = copy.deepcopy(base)

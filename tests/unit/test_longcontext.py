@@ -17,7 +17,7 @@ def _palu_method(tmp_path, bits):
     base = tiny_llama(0).double()
     calib = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(0))
     palu.compress(copy.deepcopy(base), calib, kept_ratio=0.5, group_size=1, multiple=8, progress=False).save(tmp_path / f"c{bits}")
-    method = build_method({"name": "palu", "checkpoint": str(tmp_path / f"c{bits}"), "bits": bits})
+    method = build_method({"name": "palu", "checkpoint": str(tmp_path / f"c{bits}"), "latent_bits": bits})
     model = copy.deepcopy(base)
     method.install(model)
     return model, method

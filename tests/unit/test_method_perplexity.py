@@ -61,7 +61,7 @@ def _one_pass(model, method, windows):
 @pytest.mark.parametrize("bits", [16, 8, 4, 3, 2])
 def test_one_pass_perplexity_equals_decoding_through_the_cache(checkpoint, bits):
     base, path = checkpoint
-    method, model = _installed(base, {"checkpoint": path, "bits": bits})
+    method, model = _installed(base, {"checkpoint": path, "latent_bits": bits})
     windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
     one_pass = _one_pass(model, method, windows)
     stepwise, step_logits = _token_by_token(model, method, windows)
@@ -77,7 +77,7 @@ def test_latent_bits_change_the_perplexity(checkpoint):
     windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(6))
     ppl = {}
     for bits in (16, 8, 4, 3, 2):
-        method = build_method({"name": "palu", "checkpoint": path, "bits": bits})
+        method = build_method({"name": "palu", "checkpoint": path, "latent_bits": bits})
         model = copy.deepcopy(base)
         method.install(model)
         ppl[bits] = perplexity(model, windows, progress=False,
@@ -120,7 +120,7 @@ def test_on_a_gpu_one_pass_equals_decoding_through_the_kernels(bits, tmp_path, m
     model = copy.deepcopy(base)
     calib = torch.randint(0, 97, (4, 64), generator=torch.Generator().manual_seed(0))
     palu.compress(model, calib, kept_ratio=0.5, group_size=2, multiple=32, progress=False).save(tmp_path / "c")
-    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "c"), "bits": bits})
+    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "c"), "latent_bits": bits})
     model = base
     method.install(model)      # the checkpoint's hash is of the float32 base
     model.half().cuda()
@@ -140,8 +140,8 @@ def test_channel_grouped_latents_are_decode_equivalent_and_cost_their_scales(che
     shorter): one pass equals decoding, the number moves, and each extra group costs its fp16
     scale and zero point per token."""
     base, path = checkpoint
-    plain, plain_model = _installed(base, {"checkpoint": path, "bits": bits})
-    grouped, model = _installed(base, {"checkpoint": path, "bits": bits, "channel_group": channel_group})
+    plain, plain_model = _installed(base, {"checkpoint": path, "latent_bits": bits})
+    grouped, model = _installed(base, {"checkpoint": path, "latent_bits": bits, "channel_group": channel_group})
     assert grouped.tag == plain.tag + f"-cg{channel_group}"
     windows = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(7))
     one_pass = _one_pass(model, grouped, windows)
@@ -163,6 +163,6 @@ def test_channel_grouped_latents_are_decode_equivalent_and_cost_their_scales(che
 
 def test_a_bad_channel_group_is_refused():
     from palu.methods import MethodError
-    for conf in ({"bits": 16, "channel_group": 8}, {"bits": 4, "channel_group": 0}):
+    for conf in ({"latent_bits": 16, "channel_group": 8}, {"latent_bits": 4, "channel_group": 0}):
         with pytest.raises(MethodError, match="method.channel_group"):
             build_method({"name": "palu", "checkpoint": "x", **conf})

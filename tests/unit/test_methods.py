@@ -36,8 +36,14 @@ def test_unknown_method_and_unknown_field_are_named():
         build_method({"name": "kivi2"})
     with pytest.raises(MethodError, match=r"no field\(s\) \['bitz'\]"):
         build_method({"name": "palu", "checkpoint": "x", "bitz": 4})
-    with pytest.raises(MethodError, match="method.bits=5"):
-        build_method({"name": "palu", "checkpoint": "x", "bits": 5})
+    with pytest.raises(MethodError, match="method.latent_bits=5"):
+        build_method({"name": "palu", "checkpoint": "x", "latent_bits": 5})
+    # Palu's latent width was `bits` (issue 52 item 4): the old key names the new one, for every
+    # method on Palu's latents; a quantiser's `bits` keeps its word
+    for name in ("palu", "palu_select", "palu_snapkv", "palu_tova"):
+        with pytest.raises(MethodError, match=f"method '{name}': 'bits' is now 'latent_bits'"):
+            build_method({"name": name, "checkpoint": "x", "bits": 4})
+    assert build_method({"name": "kivi", "bits": 4}).bits == 4
 
 
 def test_palu_tag_carries_the_bit_width(tmp_path):
@@ -45,7 +51,7 @@ def test_palu_tag_carries_the_bit_width(tmp_path):
     from palu.artifacts import seal, write_json
     write_json(tmp_path / "manifest.json", seal({"format_version": FORMAT_VERSION, "tag": "palu-x"}))
     assert build_method({"name": "palu", "checkpoint": str(tmp_path)}).tag == "palu-x"
-    assert build_method({"name": "palu", "checkpoint": str(tmp_path), "bits": 4}).tag == "palu-x-b4"
+    assert build_method({"name": "palu", "checkpoint": str(tmp_path), "latent_bits": 4}).tag == "palu-x-b4"
 
 
 def test_a_grid_line_adds_a_method_to_the_baseline_table(monkeypatch):

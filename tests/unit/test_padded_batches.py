@@ -26,7 +26,7 @@ PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29,
 EVICT = {"evict_ratio": 0.5, "evict_window": 2, "evict_kernel": 1}
 CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture)
     "fp16": {"fp16": {}},
-    "palu": {f"palu-b{b}": {"checkpoint": "CKPT", "bits": b} for b in (16, 4, 2)},
+    "palu": {f"palu-b{b}": {"checkpoint": "CKPT", "latent_bits": b} for b in (16, 4, 2)},
     "atom": {"atom-b4": {"bits": 4}},
     "turboquant": {"turboquant-b3": {"bits": 3}},
     "kivi": {"kivi-b2": {"bits": 2, "group": 4, "residual": 4}},
@@ -40,8 +40,8 @@ CONFIGS = {   # method name -> {variant: config} (paths filled in by the fixture
     "h2o": {"h2o": {"budget": 6, "window": 2}},
     "quest": {"quest": {"page": 2, "budget": 4}},
     "palu_select": {"palu_select": {"checkpoint": "CKPT", "tokens": 4, "window": 2}},
-    "palu_snapkv": {f"palu_snapkv-b{b}": {"checkpoint": "CKPT", "bits": b, **EVICT} for b in (16, 4)},
-    "palu_tova": {f"palu_tova-b{b}": {"checkpoint": "CKPT", "bits": b, "budget": 5} for b in (16, 4)},
+    "palu_snapkv": {f"palu_snapkv-b{b}": {"checkpoint": "CKPT", "latent_bits": b, **EVICT} for b in (16, 4)},
+    "palu_tova": {f"palu_tova-b{b}": {"checkpoint": "CKPT", "latent_bits": b, "budget": 5} for b in (16, 4)},
 }
 VARIANTS = [(name, variant) for name in method_names() for variant in CONFIGS.get(name, {None: None})]
 TABLE: dict[str, str] = {}
@@ -187,7 +187,7 @@ def test_generate_without_the_methods_cache_gives_its_answer_or_is_refused(base,
             without = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=PAD, use_cache=False)
         except ValueError as err:
             assert "make_cache" in str(err), str(err)
-            assert (name.startswith("palu") and method.bits != 16) or not method.one_pass, str(err)
+            assert (name.startswith("palu") and method.latent_bits != 16) or not method.one_pass, str(err)
             return
     assert torch.equal(without, through), variant
 

@@ -18,7 +18,7 @@ from tiny import PAD, PROMPTS, greedy_alone, left_padded
 
 
 def _palu(base, ckpt, bits, **extra):
-    method = build_method({"name": "palu", "checkpoint": ckpt, "bits": bits, **extra})
+    method = build_method({"name": "palu", "checkpoint": ckpt, "latent_bits": bits, **extra})
     model = copy.deepcopy(base)
     method.install(model)
     model.generation_config.eos_token_id = None
@@ -69,7 +69,7 @@ def test_answers_and_bytes_equal_the_eager_loops(tiny_base, tiny_palu_checkpoint
 def test_who_it_serves(tiny_base, tiny_palu_checkpoint, monkeypatch):
     method, model = _palu(tiny_base, tiny_palu_checkpoint, 4)
     assert static_decode.latent_unsupported(model, method) is None
-    snap = build_method({"name": "palu_snapkv", "checkpoint": tiny_palu_checkpoint, "bits": 4,
+    snap = build_method({"name": "palu_snapkv", "checkpoint": tiny_palu_checkpoint, "latent_bits": 4,
                          "evict_ratio": 0.5, "evict_window": 2, "evict_kernel": 1})
     assert "not plain Palu" in static_decode.latent_unsupported(model, snap)
     assert "not plain Palu" in static_decode.latent_unsupported(model, build_method({"name": "fp16"}))

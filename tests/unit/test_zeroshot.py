@@ -54,7 +54,7 @@ def _palu_models(tmp_path, bits):
     result.save(tmp_path / "ckpt")
     unfused = copy.deepcopy(base)
     palu.compress(unfused, calib, kept_ratio=0.5, group_size=1, multiple=8, fuse=False, progress=False)
-    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt"), "bits": bits})
+    method = build_method({"name": "palu", "checkpoint": str(tmp_path / "ckpt"), "latent_bits": bits})
     model = copy.deepcopy(base)
     method.install(model)
     return model, unfused, method

@@ -4,7 +4,7 @@ A method is one dataclass (its hyper-parameters are its fields) in one file of t
 and nothing else (the pipeline's `method=<name>` option is built from its fields). Evaluation,
 generation and the tables only use this contract:
 
-    method = build_method({"name": "palu", "checkpoint": "work/palu/...", "bits": 4})
+    method = build_method({"name": "palu", "checkpoint": "work/palu/...", "latent_bits": 4})
     method.install(model)              # change the model (Palu: factorised attention)
     cache = method.make_cache(model)   # what the model attends through, one per sequence
     model(ids, past_key_values=cache)  # perplexity sees exactly what the cache holds
@@ -43,6 +43,9 @@ class CacheMethod:
     # belongs to the one model it was installed on: its per-model state (layer budgets, loaded
     # factors, codecs) is read by that model's layers (`_guard_install`, `_guard_make_cache`).
     changes_model: ClassVar[bool] = True
+    # fields renamed since results were first recorded (old -> new): build_method refuses the old
+    # key by the new name rather than as an unknown field
+    renamed: ClassVar[dict[str, str]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -197,6 +200,10 @@ def build_method(config: dict[str, Any]) -> CacheMethod:
         raise MethodError(f"method.name={name!r} is not one of {sorted(REGISTRY)}")
     cls = REGISTRY[name]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    old = sorted(set(config) & set(cls.renamed))
+    if old:
+        raise MethodError(f"method {name!r}: {', '.join(f'{k!r} is now {cls.renamed[k]!r}' for k in old)} "
+                          "(README, 'One word per meaning of bits')")
     unknown = sorted(set(config) - fields)
     if unknown:
         raise MethodError(f"method {name!r} has no field(s) {unknown}; its fields: {sorted(fields)}")

@@ -12,6 +12,21 @@ from palu.pipeline.fitted import FITTED, FittedSpec
 from palu.pipeline.specs import FP16, MethodSpec, PaluSpec, RunSpec, hydra_overrides, settings_of, shell_join
 
 
+_REQUIRED = object()
+
+
+def latent_bits(entry: dict, where: str, default=_REQUIRED):
+    """A Palu section's or entry's latent width(s): `latent_bits` (16 unquantised, 8 / 4 / 3 / 2, or
+    alloc); `bits` there, the old key, is refused by the new name (a quantiser's `bits` is its code
+    width; README, "One word per meaning of bits")."""
+    if "bits" in entry:
+        raise ValueError(f"grid {where}.bits={entry['bits']!r}: Palu's latent width is now `latent_bits` "
+                         "(`bits` is a quantiser's code width: KIVI, Atom, TurboQuant, KVQuant)")
+    if "latent_bits" not in entry and default is _REQUIRED:
+        raise ValueError(f"grid {where} needs latent_bits (Palu's latent width(s): 16, 8, 4, 3, 2)")
+    return entry.get("latent_bits", default)
+
+
 class GridSections:
     """Mixed into `Grid`: reads `self.config` and the grid's model, tags and run names."""
 
@@ -35,11 +50,12 @@ class GridSections:
         if not r:           # a grid without the table (the long-context grid)
             return []
         # `group_sizes` (a list; kv_heads = J-LRD) or one `group_size`; the composition rows
-        # (issue 53 item 4): `decompositions` beside `decomposition`, latent `bits` beside 16
+        # (issue 53 item 4): `decompositions` beside `decomposition`, `latent_bits` beside 16
         sizes = r.get("group_sizes", [r.get("group_size", 1)])
         groups = [self.group(g) for g in sizes]
         decompositions = r.get("decompositions", [r.get("decomposition", "whitened")])
-        return [PaluSpec(d, m, float(k), g, int(b)) for d in decompositions for b in r.get("bits", [16])
+        widths = latent_bits(r, "rank_allocation", [16])
+        return [PaluSpec(d, m, float(k), g, int(b)) for d in decompositions for b in widths
                 for g in groups for k in r["kept_ratios"] for m in r["methods"]]
 
     def factors_specs(self) -> list[PaluSpec]:
@@ -70,7 +86,7 @@ class GridSections:
         return shell_join(hydra_overrides("recovery", self.recovery_settings()))
 
     def byte_budget_specs(self) -> list[PaluSpec]:
-        """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, bits) the
+        """(rank, bits) under a byte budget: for each `budgets` entry (kept ratio, latent_bits) the
         uniform checkpoint at that width (the reference) and an error_aware_bytes allocation of
         exactly its latent bytes (its kept ratio: the byte ratio to FP16, 5 decimals)."""
         b = self.config.get("byte_budget")
@@ -80,7 +96,7 @@ class GridSections:
         group = self.group(b["group_size"])
         geom, out = self.geometry, []
         for entry in b["budgets"]:
-            kept, bits = float(entry["kept_ratio"]), int(entry["bits"])
+            kept, bits = float(entry["kept_ratio"]), int(latent_bits(entry, "byte_budget.budgets[]"))
             ratio = uniform_byte_budget(geom, kept, group, self.config["rank_multiple"], bits)
             out += [PaluSpec("whitened", "uniform", kept, group, bits),
                     PaluSpec("whitened", "error_aware_bytes", ratio, group, "alloc")]
@@ -108,7 +124,7 @@ class GridSections:
         # `kv_heads`: one group of all KV heads (J-LRD), whatever the model's head count
         group = self.group(q["group_size"])
         return [PaluSpec(q["decomposition"], q["rank_method"], float(q["kept_ratio"]), group, int(b))
-                for b in q["bits"]]
+                for b in latent_bits(q, "latent_bits")]
 
     def hadamard_specs(self) -> list[PaluSpec]:
         """One checkpoint per rotation (J-LRD by default), its latents at each bit width."""
@@ -117,26 +133,27 @@ class GridSections:
             return []
         group = self.group(h["group_size"])
         return [PaluSpec(h["decomposition"], h["rank_method"], float(h["kept_ratio"]), group, int(b), r)
-                for r in h["rotations"] for b in h["bits"]]
+                for r in h["rotations"] for b in latent_bits(h, "hadamard")]
 
     def quantization_palu_specs(self) -> list[PaluSpec]:
-        """Palu rows of the quantization table: kept ratio x granularity x rotation x bits."""
+        """Palu rows of the quantization table: kept ratio x granularity x rotation x latent_bits."""
         p = (self.config.get("quantization") or {}).get("palu")
         if not p:
             return []
         groups = [self.group(g) for g in p["group_sizes"]]
         return [PaluSpec(p["decomposition"], p["rank_method"], float(k), g, int(b), r)
-                for k in p["kept_ratios"] for g in groups for r in p["rotations"] for b in p["bits"]]
+                for k in p["kept_ratios"] for g in groups for r in p["rotations"]
+                for b in latent_bits(p, "quantization.palu")]
 
     def _suite_specs(self, key: str) -> list[PaluSpec]:
         """Palu rows of an evaluation suite (zeroshot, longcontext): each entry a kept ratio, group
         size and latent bits (uniform ranks, whitened SVD unless given)."""
         z = self.config.get(key) or {}
-        known = {"decomposition", "rank_method", "kept_ratio", "group_size", "bits", "method"}
+        known = {"decomposition", "rank_method", "kept_ratio", "group_size", "latent_bits", "method"}
         return [PaluSpec(p.get("decomposition", "whitened"), p.get("rank_method", "uniform"),
                          float(p["kept_ratio"]),
                          self.group(p["group_size"]),
-                         int(p.get("bits", 16)), method=p.get("method", "palu"),
+                         int(latent_bits(p, f"{key}.palu[]", 16)), method=p.get("method", "palu"),
                          options=tuple(sorted((k, v) for k, v in p.items() if k not in known)))
                 for p in z.get("palu", [])]
 
@@ -305,11 +322,11 @@ class GridSections:
 
     def memory_runs(self) -> dict[str, RunSpec]:
         """Runs whose cache bytes and generated text the cache_memory table shows at a long
-        prompt: FP16 (the reference), the memory checkpoint's latents at `memory.bits`,
+        prompt: FP16 (the reference), the memory checkpoint's latents at `memory.latent_bits`,
         `memory.methods`, and the fitted states it picks (`memory.kvquant_bits`: `_selected_states`)."""
         m, base = self.config["memory"], self.memory_spec()
         palu = [PaluSpec(base.decomposition, base.rank_method, base.kept_ratio, base.group_size, int(b))
-                for b in m.get("bits", [16])]
+                for b in latent_bits(m, "memory", [16])]
         out: dict = {"fp16": FP16, **{self.run_name(s): s for s in palu}}
         out.update(self._configured_methods(m.get("methods")))
         out.update({self.run_name(s): s for s in self._selected_states(m)})

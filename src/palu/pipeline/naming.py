@@ -7,7 +7,7 @@ from pathlib import Path
 
 from palu.decompose.checkpoint import checkpoint_tag, head_order_tag, rotation_tag
 from palu.decompose.lineage import bos_tag, calibration_tag, fisher_tag
-from palu.methods.palu import bits_tag
+from palu.methods.palu import latent_bits_tag
 
 
 def fmt_ratio(x: float | str) -> str:
@@ -40,11 +40,11 @@ def fisher_path(work: str, model: str, ctag: str, ftag: str) -> Path:
 
 
 def palu_tag(decomposition: str, rank_method: str, kept_ratio: float | str, group_size: int | str,
-             bits: int | str = 16, rotation: str = "", recovery: str = "") -> str:
-    """A Palu run's method tag: its checkpoint's tag (the library's) plus the latent bit width
+             latent_bits: int | str = 16, rotation: str = "", recovery: str = "") -> str:
+    """A Palu run's method tag: its checkpoint's tag (the library's) plus the latent width
     (`rotation`: a `rotation_tag`, `recovery`: a `recovery_tag`, or wildcard patterns)."""
     return (checkpoint_tag(decomposition, rank_method, kept_ratio, group_size, rotation) + recovery
-            + bits_tag(bits))
+            + latent_bits_tag(latent_bits))
 
 
 def recovery_tag(rank: int, steps: int, samples: int, seqlen: int, lr: float, init_scale: float,

@@ -113,12 +113,12 @@ FP16 = MethodSpec({"name": "fp16"})
 
 @dataclass(frozen=True)
 class PaluSpec(RunSpec):
-    """One Palu run: how its checkpoint is made, and the bit width its cache stores latents at."""
+    """One Palu run: how its checkpoint is made, and the width its cache stores latents at."""
     decomposition: str
     rank_method: str
     kept_ratio: float
     group_size: int
-    bits: int | str = 16       # or "alloc": the per-layer widths of an error_aware_bytes allocation
+    latent_bits: int | str = 16   # or "alloc": the per-layer widths of an error_aware_bytes allocation
     rotation: str = "none"     # seed 0 (the grid's rotations are deterministic per block)
     recovery: str = ""         # a naming.recovery_tag: the checkpoint after LoRA recovery
     method: str = "palu"       # or a method on Palu's latents (palu_select, palu_snapkv) ...
@@ -127,7 +127,7 @@ class PaluSpec(RunSpec):
     @property
     def tag(self) -> str:
         return naming.palu_tag(self.decomposition, self.rank_method, self.kept_ratio,
-                               self.group_size, self.bits, rotation_tag(self.rotation),
+                               self.group_size, self.latent_bits, rotation_tag(self.rotation),
                                self.recovery) + self.method_suffix()
 
     def method_suffix(self) -> str:
@@ -152,7 +152,7 @@ class PaluSpec(RunSpec):
     def method_overrides(self, grid: "Grid") -> list[str]:
         # the checkpoint's manifest says how it was made: no palu.* setting is restated
         return [f"method={self.method}", f"method.checkpoint={grid.checkpoint(self)}",
-                f"method.bits={self.bits}"] + self.option_overrides()
+                f"method.latent_bits={self.latent_bits}"] + self.option_overrides()
 
     def checkpoints(self) -> tuple["PaluSpec", ...]:
         """The checkpoint it reads, and (after recovery) the one recovery starts from."""
@@ -161,12 +161,12 @@ class PaluSpec(RunSpec):
     def base(self) -> "PaluSpec":
         """The same run without recovery (the checkpoint recovery starts from)."""
         return PaluSpec(self.decomposition, self.rank_method, self.kept_ratio, self.group_size,
-                        self.bits, self.rotation)
+                        self.latent_bits, self.rotation)
 
     def checkpoint_spec(self) -> "PaluSpec":
         """The checkpoint this run reads (its latents' bit width is the cache's, not the checkpoint's;
         a method on Palu's latents reads the plain Palu checkpoint)."""
-        return dataclasses.replace(self, bits=16, method="palu", options=())
+        return dataclasses.replace(self, latent_bits=16, method="palu", options=())
 
     def overrides(self) -> list[str]:
         """The palu.* settings that make this run's checkpoint (steps ranks and decompose)."""

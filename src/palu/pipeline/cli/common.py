@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import hydra
@@ -29,7 +30,30 @@ def entry_point(run, config_name: str = "config", checked: bool = True):
         limit_gpu_share(str(cfg.get("device", "cpu")))
         run(cfg)
     register()
-    return hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
+    hydra_main = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base="1.3")(main)
+
+    @functools.wraps(hydra_main)
+    def checked_main(*args, **kwargs):
+        refuse_renamed(sys.argv[1:])
+        return hydra_main(*args, **kwargs)
+    return checked_main
+
+
+def refuse_renamed(argv: list[str]) -> None:
+    """`method.<old>=...` for a field the chosen method renamed (Palu's `bits`, now `latent_bits`)
+    is refused by the new name: Hydra's own refusal ("could not override") names no replacement."""
+    from palu.methods import REGISTRY, method_names
+    chosen = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+") == "method"]
+    if not chosen or chosen[-1] not in method_names():
+        return
+    renamed = REGISTRY[chosen[-1]].renamed
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key.startswith("method.") and key[len("method."):] in renamed:
+            new = renamed[key[len("method."):]]
+            print(f"{key}: method={chosen[-1]} calls this field {new!r} now (method.{new}=...; README, "
+                  "'One word per meaning of bits')", file=sys.stderr)
+            raise SystemExit(2)
 
 
 GPU_SHARE_ENV = "PALU_GPU_SHARE"
