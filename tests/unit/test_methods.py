@@ -61,7 +61,7 @@ def test_a_grid_line_adds_a_method_to_the_baseline_table(monkeypatch):
 
     from palu.methods import CacheMethod, base
     from palu.pipeline.grid import Grid
-    monkeypatch.setattr(base, "REGISTRY", dict(base.REGISTRY))   # the test's class stays here
+    monkeypatch.setattr(base, "REGISTRY", base.REGISTRY.copy())   # the test's class stays here
 
     @dataclass
     class Halved(CacheMethod):

@@ -43,6 +43,8 @@ from typing import Callable
 import torch
 
 from ..models.adapters import Geometry
+from ..registry import Registry
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -88,18 +90,15 @@ class Allocator:
 
 # The one table of allocators: a new one is a module with its function(s) and
 # `register_allocator(name, Allocator(...))`, imported by the package's __init__.
-ALLOCATORS: dict[str, Allocator] = {}
+ALLOCATORS: Registry = Registry("rank allocator")
 
 
 def register_allocator(name: str, allocator: Allocator) -> Allocator:
-    if name in ALLOCATORS:
-        raise ValueError(f"rank allocator {name!r} is registered twice")
     if allocator.units is None and allocator.probe is None:
         raise ValueError(f"rank allocator {name!r} has neither units nor probe")
     if allocator.held_out and allocator.windows < 1:   # its callers cut `windows` held-out windows
         raise ValueError(f"rank allocator {name!r} probes held-out text but reads {allocator.windows} windows")
-    ALLOCATORS[name] = allocator
-    return allocator
+    return ALLOCATORS.register(name, allocator)
 
 
 # allocators whose settings are spelled in their name (`search-e800-w8`): a registered name's

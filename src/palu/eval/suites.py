@@ -19,6 +19,9 @@ import hashlib
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Callable
 
+from ..registry import Registry
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -33,15 +36,12 @@ class Suite:
     check: Callable[[Any], None] = lambda s: None
     check_data: Callable[[Any], None] = lambda s: None
 
-SUITES: dict[str, Suite] = {}
+SUITES: Registry = Registry("long-context suite")
 
 def register_suite(suite: Suite) -> Suite:
-    if suite.name in SUITES:
-        raise ValueError(f"long-context suite {suite.name!r} is registered twice")
     if not is_dataclass(suite.settings):
         raise TypeError(f"suite {suite.name!r}: settings must be a dataclass")
-    SUITES[suite.name] = suite
-    return suite
+    return SUITES.register(suite.name, suite)
 
 def get_suite(name: str) -> Suite:
     if name not in SUITES:

@@ -18,12 +18,15 @@ import functools
 import weakref
 from typing import Any, ClassVar
 
-REGISTRY: dict[str, type["CacheMethod"]] = {}
-_DISCOVERED = False   # every module of this package imported (`_discover`)
+from ..registry import Registry
 
 
 class MethodError(ValueError):
     """A method's config names an unknown method or field, or a bad value."""
+
+
+REGISTRY: Registry = Registry("method", MethodError)   # filled by each method's class statement
+_DISCOVERED = False   # every module of this package imported (`_discover`)
 
 
 @dataclasses.dataclass
@@ -50,10 +53,7 @@ class CacheMethod:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.name:
-            if cls.name in REGISTRY and REGISTRY[cls.name].__qualname__ != cls.__qualname__:
-                raise MethodError(f"two methods are named {cls.name!r}: "
-                                  f"{REGISTRY[cls.name].__module__} and {cls.__module__}")
-            REGISTRY[cls.name] = cls
+            REGISTRY.register(cls.name, cls)
         # every install / make_cache a subclass writes is checked the same way (issue 51, item 4)
         if "install" in cls.__dict__:
             cls.install = _guard_install(cls.__dict__["install"])

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..registry import Registry
+
 
 class UnsupportedArchitectureError(ValueError):
     """The model's architecture has no adapter."""
@@ -221,16 +223,21 @@ def rotary_for(model, layer_idx: int) -> LayerRotary | None:
     return LayerRotary(rotary, None if types is None else types[layer_idx])
 
 
+# The supported families, by transformers' `model_type`: a new one is its adapter and this call
+# (palu.registry: the same registration as methods, suites and allocators).
+ADAPTERS: Registry = Registry("model family", UnsupportedArchitectureError)
+register_family = ADAPTERS.register
+
 _ROPE = FamilyAdapter(rope=True, layers_attr="model.layers")
 _HEAD_NORM = FamilyAdapter(rope=True, layers_attr="model.layers", qk_norm="head")
-ADAPTERS: dict[str, FamilyAdapter] = {
-    "llama": _ROPE, "mistral": _ROPE, "qwen2": _ROPE,
-    "qwen3": _HEAD_NORM, "gemma3_text": _HEAD_NORM,
-    "olmo2": FamilyAdapter(rope=True, layers_attr="model.layers", qk_norm="all"),
-    "phi3": FamilyAdapter(rope=True, layers_attr="model.layers", qkv="qkv_proj"),
-    "opt": FamilyAdapter(rope=False, layers_attr="model.decoder.layers", o="out_proj",
-                         query_scaled_in_proj=True),
-}
+for _name in ("llama", "mistral", "qwen2"):
+    register_family(_name, _ROPE)
+for _name in ("qwen3", "gemma3_text"):
+    register_family(_name, _HEAD_NORM)
+register_family("olmo2", FamilyAdapter(rope=True, layers_attr="model.layers", qk_norm="all"))
+register_family("phi3", FamilyAdapter(rope=True, layers_attr="model.layers", qkv="qkv_proj"))
+register_family("opt", FamilyAdapter(rope=False, layers_attr="model.decoder.layers", o="out_proj",
+                                     query_scaled_in_proj=True))
 
 
 def config_fingerprint(config) -> str:

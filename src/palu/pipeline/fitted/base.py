@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from palu.pipeline import naming
+from palu.registry import Registry
 from palu.pipeline.specs import RunSpec, defaults_of, hydra_overrides, settings_of, shell_join
 
-FITTED: dict[str, type["FittedSpec"]] = {}
+FITTED: Registry = Registry("fitted method")
 
 
 @dataclass
@@ -38,10 +39,7 @@ class CaptureSettings:
 
 def register_fitted(cls: type["FittedSpec"]) -> type["FittedSpec"]:
     """Register a fitted method's spec class (used as a decorator in its module)."""
-    if cls.kind in FITTED:
-        raise ValueError(f"fitted method {cls.kind!r} is registered twice")
-    FITTED[cls.kind] = cls
-    return cls
+    return FITTED.register(cls.kind, cls)
 
 
 def fitted_kind(kind: str | None) -> type["FittedSpec"]:
