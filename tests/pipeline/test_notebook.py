@@ -19,7 +19,8 @@ def test_results_notebook_shows_every_table_and_figure_with_intervals():
                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     # a section per committed table and figure (a missing one raises in the notebook)
     # ... and of the second model's grid (results/gemma3-270m/)
-    for folder in ("results", "results/gemma3-270m", "results/long-pilot", "results/rank-search", "results/h200",
+    for folder in ("results", "results/gemma3-270m", "results/long-pilot", "results/rank-search",
+                   "results/gemma3-270m-rank-search", "results/h200",
                    "results/h200-zeroshot", "results/h200-long"):
         for table in sorted((ROOT / folder / "tables").glob("*.csv")):
             assert f"{folder}/tables/{table.name}" in shown, table
