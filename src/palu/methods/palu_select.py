@@ -1,7 +1,7 @@
 """Palu with latent-space token selection (ours; `palu/attention/latent_selection.py`): a Palu
 checkpoint whose decode steps score every cached token from its latent with the query folded in,
 and read only the best `tokens` per group plus the newest `window` (keys rebuilt with RoPE at
-their positions). Everything is stored (the latents, at `bits`); a step reads the `sketch`
+their positions). Everything is stored (the latents, at `latent_bits`); a step reads the `sketch`
 leading channels of every key latent plus the whole latents of the chosen tokens. The prefill
 attends fully, so one-pass scores are refused (`one_pass`); decode-time suites evaluate it."""
 from __future__ import annotations

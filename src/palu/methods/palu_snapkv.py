@@ -1,5 +1,5 @@
 """Palu + SnapKV (a composition, issue 36): a Palu checkpoint's latents of only the prompt tokens
-SnapKV's observation window votes for (and of every decoded token), at `bits`; one set per layer
+SnapKV's observation window votes for (and of every decoded token), at `latent_bits`; one set per layer
 (`palu_evict.py`: SnapKV alone keeps a set per KV head)."""
 from __future__ import annotations
 
