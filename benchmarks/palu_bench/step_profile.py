@@ -1,0 +1,198 @@
+"""Where a batch's time goes, method by method (issue 49): its prefill and one decode step of
+`answer_batches`, by CUDA kernel, at the throughput benchmark's shapes.
+
+The throughput table says how fast a method is; this says why. Per method, the same batch is
+answered twice with `new_tokens=1` (prefill and first step) and with `1 + steps`; the difference
+over `steps` is one decode step: wall time, and under torch.profiler its CUDA time, kernels and
+host calls by name. Nothing inside the library is hooked, so what is measured is the path the
+suites take (slots, replayed graphs, kernels, the eager loop), chosen as in `batch_throughput`
+(the same method names and their PALU_STATIC_DECODE switch).
+
+Replayed CUDA graphs: CUPTI reports the kernels a graph launches; if a step shows `cudaGraphLaunch`
+and no kernels, its kernels were not attributed (the row says `graph_kernels_seen: false`), and the
+unprofiled wall times still hold. Bytes and FLOPs to compare with: the row's cache bytes per
+prompt (as stored, from the answers) times the batch is what a step must read at least.
+
+  python -m palu_bench.step_profile OUT_DIR model=PATH.gguf text=PATH.txt
+      ['methods=[fp16,palu50-b4-graph,kivi-b2-graph]' batch=64 length=4032 steps=16 top=15]
+
+On a CPU (device=cpu dtype=float32, small batch and length) it runs as a smoke test: host times
+by op instead of kernels.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from .batch_throughput import METHODS, _checkpoint, _env, _method, _sync, make_prompts
+
+DEFAULTS = {"methods": ["fp16", "palu50-b4-graph", "kivi-b2-graph"], "batch": 64, "length": 4032,
+            "steps": 16, "top": 15, "device": "cuda", "dtype": "float16", "model": None, "text": None,
+            "calib_windows": 16, "repeats": 2}
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+def _self_device_us(evt) -> float:
+    return float(getattr(evt, "self_device_time_total", 0.0) or getattr(evt, "self_cuda_time_total", 0.0))
+
+
+def profile_table(prof) -> dict:
+    """name -> (calls, self device us, self host us) over one profiled run."""
+    out = {}
+    for evt in prof.key_averages():
+        out[evt.key] = (int(evt.count), _self_device_us(evt), float(evt.self_cpu_time_total))
+    return out
+
+
+def step_rows(short: dict, long: dict, steps: int, device: str, top: int) -> dict:
+    """The per-step difference of two profiled runs: kernels (device time) and host calls."""
+    names = set(short) | set(long)
+    zero = (0, 0.0, 0.0)
+
+    def per_step(name):
+        (c0, d0, h0), (c1, d1, h1) = short.get(name, zero), long.get(name, zero)
+        return {"name": name, "calls": (c1 - c0) / steps, "device_us": (d1 - d0) / steps,
+                "host_us": (h1 - h0) / steps}
+
+    rows = [per_step(n) for n in names]
+    kernels = [r for r in rows if r["device_us"] > 0 and long.get(r["name"], zero)[2] == 0]
+    host = [r for r in rows if r["name"].startswith("aten::")]
+    launches = sum(r["calls"] for r in rows if r["name"] in LAUNCHES)
+    graphs = sum(r["calls"] for r in rows if r["name"] == "cudaGraphLaunch")
+    out = {"kernel_us": sum(r["device_us"] for r in kernels), "kernel_calls": sum(r["calls"] for r in kernels),
+           "kernel_launches": launches, "graph_launches": graphs, "aten_calls": sum(r["calls"] for r in host),
+           "top_kernels": sorted(kernels, key=lambda r: -r["device_us"])[:top],
+           "top_host_ops": sorted(host, key=lambda r: -r["host_us"])[:top]}
+    if device == "cuda":
+        out["graph_kernels_seen"] = not (graphs > 0 and not kernels)
+    return out
+
+
+def prefill_rows(short: dict, top: int) -> dict:
+    kernels = [{"name": n, "calls": c, "device_us": d} for n, (c, d, h) in short.items() if d > 0 and h == 0]
+    return {"kernel_us": sum(r["device_us"] for r in kernels),
+            "top_kernels": sorted(kernels, key=lambda r: -r["device_us"])[:top]}
+
+
+def _answer(m, tok, method, prompts, new_tokens, device):
+    from palu.eval.generation import answer_batches
+    _sync(device)
+    t = time.perf_counter()
+    answers = answer_batches(m, tok, method, prompts, new_tokens, batch_size=len(prompts))
+    _sync(device)
+    return time.perf_counter() - t, answers
+
+
+def measure(model, tok, name, ckpt, prompts, args) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    device, steps = args["device"], args["steps"]
+    method, m = _method(model, name, ckpt)
+    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
+    _answer(m, tok, method, prompts, 1 + steps, device)               # warm-up: capture, compile, tune
+    walls = {1: [], 1 + steps: []}
+    for _ in range(args["repeats"]):
+        for n in walls:
+            walls[n].append(_answer(m, tok, method, prompts, n, device)[0])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    tables = {}
+    for n in walls:
+        with profile(activities=activities) as prof:
+            _, answers = _answer(m, tok, method, prompts, n, device)
+        tables[n] = profile_table(prof)
+    short, long = min(walls[1]), min(walls[1 + steps])
+    kv = max(b["stored"] for _, b in answers) if answers and answers[0][1] else None
+    row = {"method": name, "batch": len(prompts), "prompt_tokens": [len(prompts[-1]), len(prompts[0])],
+           "switch": os.environ["PALU_STATIC_DECODE"], "prefill_s": short,
+           "step_ms": (long - short) / steps * 1e3, "walls_s": {str(k): v for k, v in walls.items()},
+           "kv_bytes_per_prompt": kv,
+           "step": step_rows(tables[1], tables[1 + steps], steps, device, args["top"]),
+           "prefill": prefill_rows(tables[1], args["top"])}
+    if kv is not None:   # what one step must read at least: every row's cache as stored
+        row["step_cache_bytes"] = kv * len(prompts)
+    del m
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def report(row: dict) -> str:
+    s = row["step"]
+    lines = [f"== {row['method']} (batch {row['batch']}, PALU_STATIC_DECODE={row['switch']}): prefill "
+             f"{row['prefill_s']:.3f} s, decode step {row['step_ms']:.2f} ms wall; per step {s['kernel_us'] / 1e3:.2f} ms "
+             f"in {s['kernel_calls']:.0f} kernels, {s['kernel_launches']:.0f} launches, "
+             f"{s['graph_launches']:.0f} graph launches, {s['aten_calls']:.0f} aten calls"]
+    for r in s["top_kernels"]:
+        lines.append(f"   step  {r['device_us']:10.1f} us {r['calls']:8.1f} x  {r['name'][:110]}")
+    for r in row["prefill"]["top_kernels"][:8]:
+        lines.append(f"   prefill {r['device_us'] / 1e3:8.1f} ms {r['calls']:6d} x  {r['name'][:110]}")
+    if not s["top_kernels"]:
+        for r in s["top_host_ops"][:8]:
+            lines.append(f"   host  {r['host_us']:10.1f} us {r['calls']:8.1f} x  {r['name'][:110]}")
+    return "\n".join(lines)
+
+
+def overrides(items: list[str]) -> dict:
+    import yaml
+    args = dict(DEFAULTS)
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULTS:
+            raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(DEFAULTS)}")
+        args[key] = yaml.safe_load(value)
+    for key in ("model", "text"):
+        if not args[key]:
+            raise SystemExit(f"{key}= is required")
+    unknown = sorted(set(args["methods"]) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
+    if int(args["steps"]) < 1 or int(args["batch"]) < 1:
+        raise SystemExit(f"steps={args['steps']} and batch={args['batch']} must be at least 1")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    import palu
+    if not argv:
+        raise SystemExit(__doc__)
+    out_dir, args = argv[0], overrides(argv[1:])
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "step-profile.json")
+    device = args["device"]
+    model, tok = palu.load_model(args["model"], dtype=args["dtype"], device=device)
+    model.generation_config.eos_token_id = None       # every row generates its tokens
+    with open(args["text"], encoding="utf-8") as fh:
+        ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
+    data = {"config": args, "env": _env(device), "rows": [], "failed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
+        ckpt = _checkpoint(model, windows, tmp)
+        prompts = make_prompts(ids[args["calib_windows"] * 1024:], args["batch"], args["length"])
+        for name in args["methods"]:
+            try:
+                row = measure(model, tok, name, ckpt, prompts, args)
+            except torch.OutOfMemoryError as err:
+                data["failed"].append({"method": name, "error": f"out of memory: {err}"[:300]})
+                print(f"{name}: out of memory", flush=True)
+                continue
+            data["rows"].append(row)
+            print(report(row), flush=True)
+            _save(path, data)
+    _save(path, data)
+    print(f"-> {path}", flush=True)
+
+
+def _save(path: str, data: dict) -> None:
+    """Rewritten after every method, so a run stopped at its time limit keeps what it measured."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
