@@ -109,3 +109,31 @@ def test_a_named_budget_is_spent_and_names_the_allocation(setup):
     found = get_allocator("search-e12").probe(model, svds, stats, 0.5, 1, 2, windows, None)
     assert found["method"] == "search-e12"
     assert found["search"]["budget"] == 12 and found["search"]["evaluations"] <= 12
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_kept_layer_outputs_change_nothing_but_the_work(family):
+    """An evaluation that changed blocks from layer l on runs layers l.. alone (`_KeptPrefix`):
+    the search takes the same path (every round's loss, the ranks, the evaluations) as with a
+    whole forward each, bit for bit in float64, and runs fewer attention layers."""
+    from tiny import tiny_gemma3
+    model = (tiny_llama(1, layers=4) if family == "llama" else tiny_gemma3(1)).double()
+    calib = torch.randint(0, 97, (3, 32), generator=torch.Generator().manual_seed(0))
+    grams = collect_grams(model, calib, progress=False)["gram"]
+    stats = collect_fisher(model, calib, progress=False)
+    windows = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(7))
+    svds = whitened_svds(model, grams, 1)
+    runs, found = {}, {}
+    for reuse in (False, True):
+        calls = [0]
+        attn = [layer.self_attn.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+                for layer in model.model.layers]
+        found[reuse] = search_ranks(model, svds, stats, 0.3, 1, 2, windows, evaluations=60,
+                                    reuse_layers=reuse)
+        for h in attn:
+            h.remove()
+        runs[reuse] = calls[0]
+    assert found[True] == found[False]
+    assert sum(h["moves"] for h in found[True]["search"]["rounds"]) >= 1     # kept moves made outputs stale
+    assert runs[True] < runs[False]
+    assert not any("forward" in vars(layer) for layer in model.model.layers)  # the layers' own forward again

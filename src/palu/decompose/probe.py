@@ -52,16 +52,21 @@ def truncated(model, svds: dict, allocation: dict):
 
 
 @torch.no_grad()
-def probe_loss(model, windows: torch.Tensor) -> float:
+def probe_loss(model, windows: torch.Tensor, before_window=None) -> float:
+    """Mean next-token loss over `windows`, one window a forward. `before_window(i)` is called
+    before window i's (the search's kept layer outputs are per window)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for window in windows:
+    for i, window in enumerate(windows):
+        if before_window is not None:
+            before_window(i)
         batch = window[None].to(device)
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss.item()
         total += loss * (batch.shape[1] - 1)
         count += batch.shape[1] - 1
     if not math.isfinite(total):
-        raise FloatingPointError("non-finite probe loss while choosing error_aware's key weight")
+        raise FloatingPointError("non-finite probe loss: the truncated model's loss on the probe / search "
+                                 "windows is not finite")
     return total / count
 
 

@@ -83,12 +83,74 @@ class _Truncation:
             p.weight.data.copy_(w)
 
 
+def _copy(out):
+    """A layer's output (a tensor, or a tuple holding tensors) copied, so no later in-place use
+    by the next layer reaches what is kept."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if type(out) is tuple:
+        return tuple(_copy(o) for o in out)
+    return out
+
+
+class _KeptPrefix:
+    """Each decoder layer's output on every search window under the current ranks, so that an
+    evaluation whose changed blocks all lie in layer `first` or later runs layers first.. alone:
+    the layers before it hand back what they computed from the same inputs with the same weights
+    (the loss a whole forward gives, bit for bit). Outputs are kept as evaluations pass: a run
+    from layer f whose lowest changed layer is l records layers f..l-1 (unchanged there, so the
+    current ranks'); a kept move makes every output from its lowest layer on stale. No evaluation
+    is added, so the search's path and its count of evaluations are what a whole forward each
+    gives. Saves the layers below the changed block: on SmolLM2 about 40% of an evaluation on
+    average (the body before it; the embedding and LM head always run)."""
+
+    def __init__(self, model, windows: torch.Tensor):
+        self.model, self.windows = model, windows
+        self.layers = list(adapter_for(model.config).layers(model))
+        self.kept = [[None] * len(windows) for _ in self.layers]
+        self.valid = 0          # outputs of layers < valid are the current ranks'
+        self.window = 0
+
+    def loss(self, changed_from: int) -> float:
+        """The probe loss with every changed block in layer `changed_from` or later."""
+        from .probe import probe_loss
+        first = min(changed_from, self.valid)
+        record = range(first, changed_from)
+        saved, hooks = [], []
+        for i in range(first):
+            layer = self.layers[i]
+            saved.append(layer)
+            layer.forward = (lambda i: lambda *args, **kwargs: _copy(self.kept[i][self.window]))(i)
+        for i in record:
+            hooks.append(self.layers[i].register_forward_hook(
+                (lambda i: lambda module, args, out: self._keep(i, out))(i)))
+        try:
+            loss = probe_loss(self.model, self.windows, before_window=self._at)
+        finally:
+            for layer in saved:
+                del layer.forward          # the class's forward again
+            for h in hooks:
+                h.remove()
+        self.valid = max(self.valid, changed_from)
+        return loss
+
+    def moved(self, layer: int) -> None:
+        """A move kept in `layer` (and maybe later ones): outputs from there on are stale."""
+        self.valid = min(self.valid, layer)
+
+    def _at(self, window: int) -> None:
+        self.window = window
+
+    def _keep(self, i: int, out) -> None:
+        self.kept[i][self.window] = _copy(out)
+
+
 def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: int, multiple: int,
-                 windows: torch.Tensor, evaluations: int = EVALUATIONS) -> dict:
+                 windows: torch.Tensor, evaluations: int = EVALUATIONS, reuse_layers: bool = True) -> dict:
     """probe_select's allocation on `windows`, then ranks moved by measured loss (module docstring).
     Returns the allocation labelled `search`, with its start, its loss at each accepted move and
     the evaluations spent under "search"."""
-    from .probe import probe_loss, probe_select
+    from .probe import probe_select
     if evaluations < 1:
         raise ValueError(f"search evaluations={evaluations!r} must be a positive number")
     start = probe_select(model, svds, stats, kept_ratio, group_size, multiple, windows)
@@ -97,11 +159,16 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     full = {Slot(r["layer"], r["kind"], r["group"]): r["full"] for r in start["ranks"]}
     order = list(ranks)
     t = _Truncation(model, svds, group_size)
+    prefix = _KeptPrefix(model, windows)
+    layers = len(prefix.layers)
+
+    def measure(changed_from: int) -> float:
+        return prefix.loss(changed_from if reuse_layers else 0)
     history = []
     try:
         for s in order:
             t.set(s, ranks[s])
-        loss = probe_loss(model, windows)
+        loss = measure(layers)      # a whole forward, every layer's output kept
         spent += 1
         history.append({"evaluations": spent, "loss": loss, "moves": 0})
         while spent < evaluations:
@@ -112,7 +179,7 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                     if spent >= evaluations or not multiple <= r <= full[s]:
                         continue
                     t.set(s, r)
-                    out[s] = probe_loss(model, windows) - loss
+                    out[s] = measure(s.layer) - loss
                     spent += 1
                     t.set(s, ranks[s])
             pairs = sorted((cost[d] + gain[g], i, j, d, g) for i, d in enumerate(order) if d in cost
@@ -125,11 +192,12 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                     continue
                 t.set(d, ranks[d] - multiple)
                 t.set(g, ranks[g] + multiple)
-                trial = probe_loss(model, windows)
+                trial = measure(min(d.layer, g.layer))
                 spent += 1
                 if trial < loss:
                     ranks[d] -= multiple
                     ranks[g] += multiple
+                    prefix.moved(min(d.layer, g.layer))
                     loss, moved = trial, moved + 1
                     touched |= {d, g}
                 else:
