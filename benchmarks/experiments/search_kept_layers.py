@@ -3,6 +3,10 @@ model: the same search (every round's loss, the ranks, the evaluations) and its 
 
     python benchmarks/experiments/search_kept_layers.py OUT.json MODEL GRAM FISHER \
         [kept=0.5] [group=3] [evaluations=60] [multiple=8]
+    python benchmarks/experiments/search_kept_layers.py OUT.json MODEL --layers [repeats=3]
+
+`--layers`: one evaluation's time by the first layer it runs (0, the middle, the last), against a
+whole forward, with the loss each gives (equal: nothing is changed between them).
 
 Windows: WINDOWS x WINDOW_TOKENS tokens cut in order from the embedded novels' evaluation text
 (any text serves for this comparison; the pipeline's search reads held-out calibration text).
@@ -30,7 +34,37 @@ from palu.decompose.spectra import whitened_svds
 from palu.models.loading import load_model
 
 
+def windows_of(tok) -> torch.Tensor:
+    tokens = tokenize(tok, load_corpus("novels_standin").evaluation_text)
+    return tokens[:WINDOWS * WINDOW_TOKENS].reshape(WINDOWS, WINDOW_TOKENS)
+
+
+def by_first_layer(out: str, model_path: str, repeats: int) -> None:
+    from palu.decompose.search import _KeptPrefix
+    model, tok = load_model(model_path, dtype="float32", device="cpu")
+    prefix = _KeptPrefix(model, windows_of(tok))
+    L = len(prefix.layers)
+    whole = prefix.loss(L)                     # a whole forward that keeps every layer's output
+    rows = []
+    for _ in range(repeats):                   # interleaved, so a slower stretch of the machine hits all
+        for first in (0, L // 2, L - 1):
+            t = time.perf_counter()
+            loss = prefix.loss(first)
+            rows.append({"first_layer": first, "seconds": time.perf_counter() - t, "loss_equal": loss == whole})
+            print(rows[-1], flush=True)
+    best = {f: min(r["seconds"] for r in rows if r["first_layer"] == f) for f in (0, L // 2, L - 1)}
+    write_json(out, {"config": {"model": model_path, "layers": L, "windows": [WINDOWS, WINDOW_TOKENS],
+                                "threads": torch.get_num_threads(), "repeats": repeats},
+                     "rows": rows, "best_seconds": best,
+                     "share_of_whole": {f: best[f] / best[0] for f in best},
+                     "all_equal": all(r["loss_equal"] for r in rows)})
+    print(f"share of a whole forward by first layer: {({f: round(best[f] / best[0], 3) for f in best})} -> {out}")
+
+
 def main(argv: list[str]) -> None:
+    if len(argv) >= 3 and argv[2] == "--layers":
+        repeats = int(argv[3].partition("=")[2]) if len(argv) > 3 else 3
+        return by_first_layer(argv[0], argv[1], repeats)
     out, model_path, gram, fisher = argv[:4]
     args = {"kept": 0.5, "group": 3, "evaluations": 60, "multiple": 8}
     for item in argv[4:]:
@@ -39,8 +73,7 @@ def main(argv: list[str]) -> None:
             raise SystemExit(f"{item!r}: expected one of {sorted(args)}")
         args[key] = type(args[key])(value)
     model, tok = load_model(model_path, dtype="float32", device="cpu")
-    tokens = tokenize(tok, load_corpus("novels_standin").evaluation_text)
-    windows = tokens[:WINDOWS * WINDOW_TOKENS].reshape(WINDOWS, WINDOW_TOKENS)
+    windows = windows_of(tok)
     grams = load_stats(gram, "calibration Gram")[0]["gram"]
     stats = load_stats(fisher, "Fisher scores")[0]
     svds = whitened_svds(model, grams, args["group"])
