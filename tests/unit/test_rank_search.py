@@ -137,3 +137,19 @@ def test_kept_layer_outputs_change_nothing_but_the_work(family):
     assert sum(h["moves"] for h in found[True]["search"]["rounds"]) >= 1     # kept moves made outputs stale
     assert runs[True] < runs[False]
     assert not any("forward" in vars(layer) for layer in model.model.layers)  # the layers' own forward again
+
+
+def test_a_layer_with_its_own_forward_gets_it_back(setup):
+    """A layer whose forward was set on the instance (accelerate's dispatch does that) keeps it
+    after an evaluation that handed back its kept output."""
+    from palu.decompose.search import _KeptPrefix
+    model, _, _, windows = setup
+    layer = model.model.layers[0]
+    own = layer.forward                     # the bound class forward, set on the instance
+    layer.forward = own
+    try:
+        prefix = _KeptPrefix(model, windows)
+        whole = prefix.loss(len(prefix.layers))
+        assert prefix.loss(1) == whole and vars(layer)["forward"] is own
+    finally:
+        del layer.forward

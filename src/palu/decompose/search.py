@@ -119,7 +119,8 @@ class _KeptPrefix:
         saved, hooks = [], []
         for i in range(first):
             layer = self.layers[i]
-            saved.append(layer)
+            # an instance-level forward (accelerate's dispatch hooks set one) is put back after
+            saved.append((layer, layer.__dict__.get("forward")))
             layer.forward = (lambda i: lambda *args, **kwargs: _copy(self.kept[i][self.window]))(i)
         for i in record:
             hooks.append(self.layers[i].register_forward_hook(
@@ -127,8 +128,11 @@ class _KeptPrefix:
         try:
             loss = probe_loss(self.model, self.windows, before_window=self._at)
         finally:
-            for layer in saved:
-                del layer.forward          # the class's forward again
+            for layer, own in saved:
+                if own is None:
+                    del layer.forward      # the class's forward again
+                else:
+                    layer.forward = own
             for h in hooks:
                 h.remove()
         self.valid = max(self.valid, changed_from)
