@@ -247,15 +247,22 @@ def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
              "peak_gib": _peak(device), "kv_gib": sum(b["stored"] for _, b in answers) / 2**30})
 
 
-def overrides(items: list[str]) -> dict:
-    """DEFAULTS with `key=value` items (values read as YAML); an unknown key is an error."""
+def overrides(items: list[str], defaults: dict = DEFAULTS) -> dict:
+    """`defaults` with `key=value` items (values read as YAML); an unknown key, a missing model= /
+    text= and a method not in METHODS are errors."""
     import yaml
-    args = dict(DEFAULTS)
+    args = dict(defaults)
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(DEFAULTS)}")
+        if not sep or key not in defaults:
+            raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(defaults)}")
         args[key] = yaml.safe_load(value)
+    for key in ("model", "text"):
+        if not args[key]:
+            raise SystemExit(f"{key}= is required")
+    unknown = sorted(set(args["methods"]) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
     return args
 
 
@@ -264,12 +271,6 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit(__doc__)
     out_dir, args = argv[0], overrides(argv[1:])
-    for key in ("model", "text"):
-        if not args[key]:
-            raise SystemExit(f"{key}= is required")
-    unknown = sorted(set(args["methods"]) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
     os.makedirs(out_dir, exist_ok=True)
     run = Run(out_dir, args)
     device = args["device"]

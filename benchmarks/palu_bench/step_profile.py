@@ -30,6 +30,7 @@ import time
 import torch
 
 from .batch_throughput import METHODS, _checkpoint, _env, _method, _sync, make_prompts
+from .batch_throughput import overrides as throughput_overrides
 
 DEFAULTS = {"methods": ["fp16", "palu50-b4-graph", "kivi-b2-graph"], "batch": 64, "length": 4032,
             "steps": 16, "top": 15, "device": "cuda", "dtype": "float16", "model": None, "text": None,
@@ -137,19 +138,7 @@ def report(row: dict) -> str:
 
 
 def overrides(items: list[str]) -> dict:
-    import yaml
-    args = dict(DEFAULTS)
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key not in DEFAULTS:
-            raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(DEFAULTS)}")
-        args[key] = yaml.safe_load(value)
-    for key in ("model", "text"):
-        if not args[key]:
-            raise SystemExit(f"{key}= is required")
-    unknown = sorted(set(args["methods"]) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
+    args = throughput_overrides(items, DEFAULTS)
     if int(args["steps"]) < 1 or int(args["batch"]) < 1:
         raise SystemExit(f"steps={args['steps']} and batch={args['batch']} must be at least 1")
     return args
