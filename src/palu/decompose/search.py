@@ -186,6 +186,9 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                     out[s] = measure(s.layer) - loss
                     spent += 1
                     t.set(s, ranks[s])
+                    if spent % max(1, evaluations // 10) == 0:   # a round can be the whole budget
+                        log.info("search round %d: %d of %d evaluations (marginals of %d blocks)",
+                                 len(history), spent, evaluations, len(order))
             pairs = sorted((cost[d] + gain[g], i, j, d, g) for i, d in enumerate(order) if d in cost
                            for j, g in enumerate(order) if g in gain and g != d)
             moved, touched = 0, set()
