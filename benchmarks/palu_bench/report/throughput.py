@@ -13,7 +13,7 @@ import pandas as pd  # noqa: E402
 from palu.artifacts import atomic_path, read_json  # noqa: E402
 
 COLUMNS = ["run", "path", "method", "batch", "prompts", "prompts_per_s", "seconds", "peak_gib",
-           "kv_mib_per_prompt", "differ", "compared", "budget_gib", "fits", "kv_gib", "oom"]
+           "kv_mib_per_prompt", "differ", "compared", "budget_gib", "fits", "kv_gib", "oom", "switches"]
 
 
 def throughput_frame(inputs: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -29,7 +29,9 @@ def throughput_frame(inputs: list[str]) -> tuple[pd.DataFrame, dict]:
             rows.append({"run": run, **{k: r.get(k) for k in COLUMNS if k in r},
                          "kv_mib_per_prompt": None if kv is None else kv / 2**20,
                          "differ": agree.get("differ"), "compared": agree.get("prompts"),
-                         "oom": bool(r.get("oom", False))})
+                         "oom": bool(r.get("oom", False)),
+                         # the decode path it was timed on (a right-padded prefill, say)
+                         "switches": " ".join(f"{k}={v}" for k, v in sorted((r.get("switches") or {}).items()))})
     if not rows:
         raise ValueError(f"no throughput rows in {inputs}")
     return pd.DataFrame(rows).reindex(columns=COLUMNS), meta
@@ -55,13 +57,13 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
               "`transformers-*`: `generate` with its own cache. Batch 1 is timed over several prompts "
               "one at a time; each larger size over one batch. A row is `out of memory` where "
               "the batch did not fit.", "",
-              "| run | path | method | batch | prompts/s | peak GiB | KV MiB / prompt | answers differing from batch 1 |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| run | path | method | batch | prompts/s | peak GiB | KV MiB / prompt | answers differing from batch 1 | decode switches |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in speed.itertuples():
         differ = "—" if pd.isna(r.differ) else f"{int(r.differ)} of {int(r.compared)}"
         lines.append(f"| {r.run} | {r.path} | {r.method} | {int(r.batch)} | "
                      f"{'out of memory' if r.oom else _fmt(r.prompts_per_s)} | {_fmt(r.peak_gib, '.1f')} | "
-                     f"{_fmt(r.kv_mib_per_prompt, '.1f')} | {differ} |")
+                     f"{_fmt(r.kv_mib_per_prompt, '.1f')} | {differ} | {r.switches or '—'} |")
     budget = frame[frame.path == "budget"]
     if len(budget):
         lines += ["", "## At a fixed KV-cache budget", "",
