@@ -22,3 +22,13 @@ def test_each_rows_decode_switches_are_in_the_table(tmp_path):
     rows = {line.split(" | ")[0].strip("| "): line for line in md.splitlines() if line.startswith("| ")}
     assert rows["switched"].endswith("| PALU_DENSE_DECODE=1 PALU_STATIC_DECODE=all |")
     assert rows["plain"].endswith("| — |") and rows["empty"].endswith("| — |")
+
+
+def test_the_figure_wraps_many_runs_into_rows(tmp_path):
+    from PIL import Image
+    from palu_bench.report.throughput import throughput_figure
+    paths = [_run(tmp_path, f"run{i}", None) for i in range(7)]
+    out = tmp_path / "throughput.png"
+    throughput_figure(throughput_frame(paths)[0], str(out))
+    width, height = Image.open(out).size
+    assert width < 2 * height, (width, height)      # 3 columns x 3 rows, not 7 panels in a row

@@ -81,8 +81,12 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
 def throughput_figure(frame: pd.DataFrame, path: str) -> None:
     """Prompts/s against batch size, one line per (path, method), a panel per run."""
     runs = list(dict.fromkeys(frame.run))
-    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    cols = min(3, len(runs))           # a row of many panels shrinks each past reading
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
+    for ax in axes.flat[len(runs):]:
+        ax.set_visible(False)
+    for ax, run in zip(axes.flat, runs):
         part = frame[(frame.run == run) & (frame.path != "budget") & ~frame.oom]
         for (path_, method), g in part.groupby(["path", "method"], sort=False):
             g = g.sort_values("batch")
