@@ -13,8 +13,17 @@ library functions its entry points call, on windows of random token ids:
     ppl           `perplexity` of `eval_windows` windows through every cache method
     zeroshot      lm-eval's log-likelihood requests as `eval.zeroshot.method_lm` runs them: one
                   prefill of `zeroshot.length` tokens into a fresh cache per request
+    zeroshot_batched  the same, `zeroshot.batch` requests per forward (as `zeroshot.batch_size`
+                  runs them: one fresh cache per batch; requests of one length, so no padding)
     longcontext   a `longcontext.context`-token prompt prefilled into each method's cache and
                   `longcontext.new_tokens` generated through it (`model.generate`, greedy)
+    longcontext_batched  `longcontext.batch` prompts of `longcontext.batch_context` tokens answered
+                  together by `answer_batches` (the long-context suites' path: replayed CUDA
+                  graphs where a method has them), `new_tokens` each, EOS off
+
+`steps=[...]` runs only the named measurements (of STEPS) and what they need (the Gram, the Palu
+checkpoint the methods read, KVQuant's fit): a later partial run adds rows, and the scale table
+takes each (shape, step, variant) from the newest run that measured it.
 
 Per step: wall seconds (device synchronised), tokens and tokens/s, the GPU memory allocated at
 its peak and before it (the job's own need is the model's weights plus the difference), the
@@ -38,6 +47,11 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# what `steps` may name; `gram`, the checkpoint the Palu methods read and KVQuant's fit run
+# whenever a method's evaluation needs them
+STEPS = ("fisher", "ranks", "decompose", "kvquant", "ppl", "zeroshot", "zeroshot_batched",
+         "longcontext", "longcontext_batched")
+EVAL_STEPS = ("ppl", "zeroshot", "zeroshot_batched", "longcontext", "longcontext_batched")
 
 
 class Steps:
@@ -162,6 +176,8 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
 
     shape, device, dtype = cfg["shapes"][name], cfg["device"], _DTYPES[cfg["dtype"]]
     S = Steps(name, device, log, partial)
+    chosen = cfg.get("steps")
+    want = lambda step: chosen is None or step in chosen   # noqa: E731
     L, vocab = cfg["seqlen"], shape["vocab_size"]
     model = S.run("build", lambda: _random_model(shape, dtype, device, cfg["seed"]))
     if model is None:
@@ -170,9 +186,9 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
     info = {"config": model.config.to_dict(), "weight_bytes": sum(p.numel() * p.element_size()
                                                                   for p in model.parameters()),
             "num_kv_heads": geom.num_kv_heads}
+    tok = _tokenizer(vocab)
     if cfg.get("load", True):
         folder = scratch / name
-        tok = _tokenizer(vocab)
 
         def save():
             model.save_pretrained(folder)
@@ -187,22 +203,30 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
     gram_w = _windows(cfg["gram_windows"], L, vocab, 0)
     grams = S.run("gram", lambda: collect_grams(model, gram_w, progress=False)["gram"],
                   tokens=gram_w.numel())
-    fisher_w = _windows(cfg["fisher_windows"], L, vocab, 1)
-    stats = S.run("fisher", lambda: collect_fisher(model, fisher_w, progress=False), tokens=fisher_w.numel())
     kept, mult = cfg["kept_ratio"], cfg["rank_multiple"]
+    stats = None
+    if want("fisher") or want("ranks"):
+        fisher_w = _windows(cfg["fisher_windows"], L, vocab, 1)
+        stats = S.run("fisher", lambda: collect_fisher(model, fisher_w, progress=False), tokens=fisher_w.numel())
     sizes = [geom.num_kv_heads if g == "kv_heads" else int(g) for g in cfg["group_sizes"]]
-    for g in sizes:
-        S.run("ranks", lambda: allocate(geom, kept, g, "uniform", mult), variant=f"uniform-g{g}")
-    if stats is not None:
-        S.run("ranks", lambda: allocate(geom, kept, 1, "fisher", mult, stats["fisher"]), variant="fisher-g1")
-    pg = geom.num_kv_heads if cfg["probe_group_size"] == "kv_heads" else int(cfg["probe_group_size"])
-    svds = S.run("whitened_svds", lambda: whitened_svds(model, grams, pg), variant=f"g{pg}",
-                 needs=[("gram", grams)])
-    probe_w = _windows(cfg["probe_windows"], L, vocab, 1)
-    S.run("ranks", lambda: allocate_probed(model, svds, stats, "probe_select", kept, pg, mult, probe_w),
-          variant=f"probe_select-g{pg}", needs=[("gram", grams), ("fisher", stats), ("whitened_svds", svds)])
-    del svds
+    if want("ranks"):
+        for g in sizes:
+            S.run("ranks", lambda: allocate(geom, kept, g, "uniform", mult), variant=f"uniform-g{g}")
+        if stats is not None:
+            S.run("ranks", lambda: allocate(geom, kept, 1, "fisher", mult, stats["fisher"]), variant="fisher-g1")
+        pg = geom.num_kv_heads if cfg["probe_group_size"] == "kv_heads" else int(cfg["probe_group_size"])
+        svds = S.run("whitened_svds", lambda: whitened_svds(model, grams, pg), variant=f"g{pg}",
+                     needs=[("gram", grams)])
+        probe_w = _windows(cfg["probe_windows"], L, vocab, 1)
+        S.run("ranks", lambda: allocate_probed(model, svds, stats, "probe_select", kept, pg, mult, probe_w),
+              variant=f"probe_select-g{pg}", needs=[("gram", grams), ("fisher", stats), ("whitened_svds", svds)])
+        del svds
 
+    palu_g = geom.num_kv_heads if cfg["palu_group_size"] == "kv_heads" else int(cfg["palu_group_size"])
+    evaluating = any(want(s) for s in EVAL_STEPS)
+    methods = [c["name"] for c in cfg["methods"]]
+    if not want("decompose"):   # only the checkpoint the Palu methods read, if they are evaluated
+        sizes = [palu_g] if evaluating and "palu" in methods else []
     checkpoints = {}
     for g in sizes:
         def decompose(g=g):
@@ -220,31 +244,34 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
         checkpoints[g] = str(out)
     del grams
 
-    kv = cfg["kvquant"]
-    kv_w = _windows(kv["windows"], L, vocab, 2)
-    captured = S.run("kvquant_capture", lambda: capture_activations(
-        model, kv_w, fisher=True, tokens_per_window=kv["tokens_per_window"], progress=False),
-        tokens=kv_w.numel())
-    state_dir = scratch / f"{name}-kvquant"
+    state = None
+    if want("kvquant") or (evaluating and "kvquant" in methods):
+        kv = cfg["kvquant"]
+        kv_w = _windows(kv["windows"], L, vocab, 2)
+        captured = S.run("kvquant_capture", lambda: capture_activations(
+            model, kv_w, fisher=True, tokens_per_window=kv["tokens_per_window"], progress=False),
+            tokens=kv_w.numel())
+        state_dir = scratch / f"{name}-kvquant"
 
-    def fit():
-        fit_from_activations(captured, kv["bits"], "fisher", kv["outlier_fraction"], device=device).save(state_dir)
-        return str(state_dir)
-    state = S.run("fit_kvquant", fit, variant=f"b{kv['bits']}", needs=[("kvquant_capture", captured)])
-    del captured
+        def fit():
+            fit_from_activations(captured, kv["bits"], "fisher", kv["outlier_fraction"], device=device).save(state_dir)
+            return str(state_dir)
+        state = S.run("fit_kvquant", fit, variant=f"b{kv['bits']}", needs=[("kvquant_capture", captured)])
+        del captured
 
-    ckpt = checkpoints.get(geom.num_kv_heads if cfg["palu_group_size"] == "kv_heads" else int(cfg["palu_group_size"]))
+    ckpt = checkpoints.get(palu_g)
     eval_w = _windows(cfg["eval_windows"], L, vocab, 3)
     zs, lc = cfg["zeroshot"], cfg["longcontext"]
-    for conf in cfg["methods"]:
+    for conf in (cfg["methods"] if evaluating else []):
         label = _label(conf)
         needs = [("decompose", ckpt)] if conf["name"] == "palu" else (
             [("fit_kvquant", state)] if conf["name"] == "kvquant" else [])
         built = S.run("install", lambda: _installed(model, _method(conf, ckpt, state)), variant=label,
                       needs=needs)
         if built is None:
-            for step in ("ppl", "zeroshot", "longcontext"):
-                S.run(step, None, variant=label, needs=[("install", None)])
+            for step in EVAL_STEPS:
+                if want(step):
+                    S.run(step, None, variant=label, needs=[("install", None)])
             continue
         m, method = built
 
@@ -252,17 +279,39 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
             r = perplexity(m, eval_w, progress=False, make_cache=lambda: method.make_cache(m),
                            cache_nbytes=method.cache_nbytes)
             return r, {"ppl": r["ppl"], "cache_total_bytes": r["cache_nbytes"]["total"]}
-        S.run("ppl", ppl, variant=label, tokens=eval_w.numel())
+        if want("ppl"):
+            S.run("ppl", ppl, variant=label, tokens=eval_w.numel())
 
-        def requests():
-            ids = _windows(zs["requests"], zs["length"], vocab, 4).to(device)
-            with torch.no_grad():
-                for row in ids:
-                    m(input_ids=row[None], past_key_values=method.make_cache(m), use_cache=True)
-            return None, {"requests": zs["requests"], "request_tokens": zs["length"]}
-        S.run("zeroshot", requests, variant=label, tokens=zs["requests"] * zs["length"])
+        def requests(count: int, batch: int, seed: int):
+            ids = _windows(count, zs["length"], vocab, seed).to(device)
+            with torch.no_grad():   # as `method_lm`'s forward: a fresh cache per batch of requests
+                for i in range(0, count, batch):
+                    m(input_ids=ids[i:i + batch], past_key_values=method.make_cache(m), use_cache=True)
+            return None, {"requests": count, "request_tokens": zs["length"], "batch": batch}
+        if want("zeroshot"):
+            S.run("zeroshot", lambda: requests(zs["requests"], 1, 4), variant=label,
+                  tokens=zs["requests"] * zs["length"])
+        if want("zeroshot_batched"):
+            n = zs["batch_requests"]
+            S.run("zeroshot_batched", lambda: requests(n, zs["batch"], 6), variant=label, tokens=n * zs["length"])
 
-        if conf in lc["methods"]:
+        if want("longcontext_batched"):
+            B, C, new = lc["batch"], lc["batch_context"], lc["new_tokens"]
+
+            def answer():
+                from palu.eval.generation import answer_batches
+                prompts = _windows(B, C, vocab, 7).tolist()
+                eos, m.generation_config.eos_token_id = m.generation_config.eos_token_id, None
+                try:   # EOS off: every row generates its `new` tokens
+                    answers = answer_batches(m, tok, method, prompts, new, batch_size=B)
+                finally:
+                    m.generation_config.eos_token_id = eos
+                stored = [b["stored"] for _, b in answers if b]
+                return None, {"batch": B, "context": C, "new_tokens": new,
+                              "cache_bytes_per_prompt": max(stored) if stored else None}
+            S.run("longcontext_batched", answer, variant=label, tokens=B * (C + new))
+
+        if want("longcontext") and conf in lc["methods"]:
             def generate():
                 ids = _windows(1, lc["context"], vocab, 5).to(device)
                 cache = method.make_cache(m)
@@ -338,6 +387,9 @@ def run(cfg: dict, out: str | None = None, log=print, shapes: list[str] | None =
         raise ValueError(f"shape(s) {unknown} not among {sorted(cfg['shapes'])}")
     if cfg["dtype"] not in _DTYPES:
         raise ValueError(f"dtype={cfg['dtype']!r} is not one of {sorted(_DTYPES)}")
+    steps = cfg.get("steps")
+    if steps is not None and (not isinstance(steps, list) or not steps or set(steps) - set(STEPS)):
+        raise ValueError(f"steps={steps!r}: a non-empty list of {list(STEPS)} (or null: every step)")
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the scale benchmark runs on a CUDA GPU (none visible here); "
                            "device=cpu runs it on tiny shapes (its test)")

@@ -2,6 +2,7 @@
 CPU: every step runs through the library functions the pipeline calls and gives a row with no
 error; a step that fails is an error row and the steps that need it are skipped, not run."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,8 @@ def _tiny_config(tmp_path):
                gram_windows=2, fisher_windows=1, eval_windows=1, rank_multiple=8,
                group_sizes=[1, "kv_heads"], probe_group_size="kv_heads", palu_group_size="kv_heads",
                kvquant={"windows": 1, "tokens_per_window": 8, "bits": 3, "outlier_fraction": 0.01},
-               zeroshot={"requests": 2, "length": 12})
-    cfg["longcontext"] = {**cfg["longcontext"], "context": 64, "new_tokens": 3}
+               zeroshot={"requests": 2, "length": 12, "batch": 2, "batch_requests": 3})
+    cfg["longcontext"] = {**cfg["longcontext"], "context": 64, "new_tokens": 3, "batch": 2, "batch_context": 40}
     return cfg
 
 
@@ -38,6 +39,10 @@ def test_every_step_runs_at_a_tiny_shape(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows if "tokens" in r)
     generated = [r for r in rows if r["step"] == "longcontext"]
     assert len(generated) == 6 and all(r["new_tokens"] == 3 for r in generated)
+    batched = [r for r in rows if r["step"] == "longcontext_batched"]   # every method, 2 x (40 + 3)
+    assert len(batched) == 10 and all(r["tokens"] == 86 and r["cache_bytes_per_prompt"] > 0 for r in batched)
+    # requests of 12 tokens, 2 a forward: the last batch holds the third alone
+    assert all(r["requests"] == 3 and r["batch"] == 2 for r in rows if r["step"] == "zeroshot_batched")
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
     assert not list(tmp_path.glob("palu-scale-*"))      # the scratch folder is removed
 
@@ -70,3 +75,48 @@ def test_device_checks_run_and_compare_like_with_like():
     from palu_bench.scale import check_devices
     rows = check_devices("cpu", log=lambda *_: None)
     assert len(rows) == 6 and all(r["rel_diff"] == 0 for r in rows), rows
+
+
+def test_a_partial_run_measures_its_steps_and_what_they_need(tmp_path):
+    """`steps=[...]`: the named measurements, the Gram / checkpoint / KVQuant fit they need, no
+    Fisher, probe or other group sizes; unknown step names fail before any work."""
+    cfg = _tiny_config(tmp_path)
+    cfg.update(load=False, steps=["zeroshot_batched"],
+               methods=[{"name": "fp16"}, {"name": "palu", "latent_bits": 4}, {"name": "kvquant", "bits": 3}])
+    rows = run(cfg, log=lambda *_: None)["rows"]
+    assert not [r for r in rows if "error" in r]
+    steps = {(r["step"], r["variant"]) for r in rows}
+    assert {("gram", ""), ("decompose", "g2"), ("fit_kvquant", "b3"), ("zeroshot_batched", "palu-b4"),
+            ("zeroshot_batched", "kvquant-b3")} <= steps
+    assert not {s for s, _ in steps} & {"fisher", "ranks", "whitened_svds", "ppl", "zeroshot", "longcontext"}
+    assert ("decompose", "g1") not in steps
+    with pytest.raises(ValueError, match="zeroshots"):
+        run({**cfg, "steps": ["zeroshots"]})
+
+
+def test_the_table_takes_each_step_from_its_newest_run(tmp_path):
+    """A partial run's rows replace the same (step, variant) of an older full run and keep the rest;
+    the projection prices a grid's suite at its batched rate only where the grid batches it."""
+    from palu_bench.report.scale import Rates, scale_frame
+    base = {"device": "GPU", "shapes": {"s": {"weight_bytes": 2 ** 30}}, "config": {}, "versions": {}}
+    old = {**base, "created": "2026-12-01", "rows": [
+        {"shape": "s", "step": "zeroshot", "variant": "fp16", "seconds": 2.0, "tokens": 100, "tokens_per_s": 50.0},
+        {"shape": "s", "step": "ppl", "variant": "fp16", "seconds": 1.0, "tokens": 100, "tokens_per_s": 100.0}]}
+    new = {**base, "created": "2026-12-05", "rows": [
+        {"shape": "s", "step": "zeroshot_batched", "variant": "fp16", "seconds": 0.1, "tokens": 100,
+         "tokens_per_s": 1000.0},
+        {"shape": "s", "step": "ppl", "variant": "fp16", "seconds": 0.5, "tokens": 100, "tokens_per_s": 200.0}]}
+    paths = []
+    for i, r in enumerate((new, old)):     # the order of the files does not matter, their dates do
+        paths.append(str(tmp_path / f"{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(r))
+    frame = scale_frame(paths)
+    by = {(r.step, r.variant): r for r in frame.itertuples()}
+    assert len(frame) == 3 and by[("ppl", "fp16")].tokens_per_s == 200.0 and by[("ppl", "fp16")].run == "2026-12-05"
+    assert by[("zeroshot", "fp16")].run == "2026-12-01"
+    rates = Rates(frame, "s")
+    assert rates.suite_rate("zeroshot", "fp16", {"zeroshot": {"batch_size": "auto"}})[0] == 1000.0
+    assert rates.suite_rate("zeroshot", "fp16", {"zeroshot": {}})[0] == 50.0
+    rates.ok = rates.ok[rates.ok["step"] != "zeroshot_batched"]   # batched grid, nothing batched measured
+    assert rates.suite_rate("zeroshot", "fp16", {"zeroshot": {"batch_size": 8}})[0] == 50.0
+    assert any("one-at-a-time" in n for n in rates.notes)

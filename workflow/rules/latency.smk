@@ -77,11 +77,15 @@ rule decode_table:
         "out={params.prefix} figure={output.fig} {BENCH_TRACK} > {log} 2>&1"
 
 
-# Paper scale (palu_bench.scale on a GPU host; one JSON per shape), and the paper grid's projected
+# Paper scale (palu_bench.scale on a GPU host; one JSON per shape, and partial runs beside them,
+# `<device>-<shape>-<what>.json`, made by hand with `steps=[...]`), and the paper grid's projected
 # GPU-hours from its DAG at those rates (results/tables/scale.md)
 rule scale:
     output:
         str(SCALE_DIR / "{device}-{shape}.json"),
+    wildcard_constraints:
+        device="[^-]+",
+        shape="[a-z0-9]+-[0-9]+b",
     log:
         log("scale", "{device}-{shape}"),
     threads: threads_of("scale")

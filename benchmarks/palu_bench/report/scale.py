@@ -43,35 +43,44 @@ STEP_ORDER = ["calibrate", "fisher", "ranks_probed", "decompose", "kvquant_captu
               "evaluate", "zeroshot", "longcontext", "cache_memory_run"]
 
 
-def _newest_per_shape(paths: list[str]) -> dict[str, dict]:
-    runs = {}
+def _runs_per_shape(paths: list[str]) -> dict[str, list[dict]]:
+    """Every run that measured a shape, oldest first (a partial run, `steps=[...]`, adds rows)."""
+    runs: dict[str, list[dict]] = {}
     for p in paths:
         run = read_json(p)
         for shape in run["shapes"]:
-            if shape not in runs or run["created"] > runs[shape]["created"]:
-                runs[shape] = run
+            runs.setdefault(shape, []).append(run)
     if not runs:
         raise ValueError(f"no scale results in {paths}")
-    return runs
+    return {shape: sorted(rs, key=lambda r: r["created"]) for shape, rs in runs.items()}
+
+
+def _newest_per_shape(paths: list[str]) -> dict[str, dict]:
+    return {shape: rs[-1] for shape, rs in _runs_per_shape(paths).items()}
 
 
 def scale_frame(paths: list[str]) -> pd.DataFrame:
+    """One row per (shape, step, variant): the newest run's that measured it (`run`: its date)."""
     rows = []
-    for shape, run in _newest_per_shape(paths).items():
-        weights = run["shapes"][shape]["weight_bytes"]
-        for r in run["rows"]:
-            if r["shape"] != shape:
-                continue
-            row = {**r, "device": run["device"]}
-            if "peak_gpu_bytes" in r:
-                row["peak_gpu_gib"] = r["peak_gpu_bytes"] / 2 ** 30
-                # what a pipeline job holds: the model and this step's own extra (an install's
-                # extra is the benchmark's copy of the model, not part of a job; build and load
-                # make the model itself)
-                own = r["step"] not in ("install", "build", "load", "save")
-                extra = r["peak_gpu_bytes"] - r["resident_before_bytes"] if own else 0
-                row["job_gpu_gib"] = (weights + max(extra, 0)) / 2 ** 30
-            rows.append(row)
+    for shape, runs in _runs_per_shape(paths).items():
+        newest: dict[tuple, dict] = {}
+        for run in runs:
+            weights = run["shapes"][shape]["weight_bytes"]
+            for r in run["rows"]:
+                if r["shape"] != shape:
+                    continue
+                row = {**r, "device": run["device"], "run": run["created"]}
+                if "peak_gpu_bytes" in r:
+                    row["peak_gpu_gib"] = r["peak_gpu_bytes"] / 2 ** 30
+                    # what a pipeline job holds: the model and this step's own extra (an install's
+                    # extra is the benchmark's copy of the model, not part of a job; build and load
+                    # make the model itself)
+                    own = r["step"] not in ("install", "build", "load", "save")
+                    extra = r["peak_gpu_bytes"] - r["resident_before_bytes"] if own else 0
+                    row["job_gpu_gib"] = (weights + max(extra, 0)) / 2 ** 30
+                newest.pop((r["step"], r["variant"]), None)   # re-inserted: the newer run's order
+                newest[(r["step"], r["variant"])] = row
+        rows += newest.values()
     frame = pd.DataFrame(rows)
     for c in COLUMNS:
         if c not in frame:
@@ -148,6 +157,16 @@ class Rates:
             self.notes.append(f"{step} {variant}: at the measured rate of {hit['variant'].iloc[0]}")
         return float(hit["tokens_per_s"].iloc[0]), hit["variant"].iloc[0]
 
+    def suite_rate(self, step: str, variant: str, grid: dict) -> tuple[float, str]:
+        """The rate a suite's job runs at: `step`_batched where the grid batches it
+        (`<step>.batch_size` other than 1) and it was measured, else one at a time (noted)."""
+        if (grid.get(step) or {}).get("batch_size", 1) != 1:
+            try:
+                return self.rate(f"{step}_batched", variant)
+            except KeyError:
+                self.notes.append(f"{step} {variant}: at the one-at-a-time rate (no batched rate measured)")
+        return self.rate(step, variant)
+
     def decompose(self, group: int) -> float:
         measured = {int(v[1:]): v for v in self.ok[self.ok["step"] == "decompose"]["variant"]}
         g = min(measured, key=lambda m: abs(m - group))
@@ -182,13 +201,13 @@ def job_seconds(job: dict, rates: Rates, grid: dict) -> float | None:
     if rule == "evaluate":
         return start + ASSUMPTIONS[f"tokens:{w['corpus']}"][0] / rates.rate("ppl", method)[0]
     if rule == "zeroshot":
-        rate, _ = rates.rate("zeroshot", method)
-        req = rates.ok[rates.ok["step"] == "zeroshot"]
+        rate, _ = rates.suite_rate("zeroshot", method, grid)
+        req = rates.ok[rates.ok["step"].isin(["zeroshot", "zeroshot_batched"])]
         tokens = float((req["tokens"] / req["requests"]).iloc[0])   # tokens per timed request
         return start + ASSUMPTIONS["zeroshot_requests"][0] * tokens / rate
     if rule == "longcontext":
         suite = w["suite"].split("-")[0]
-        return start + ASSUMPTIONS[f"tokens:{suite}"][0] / rates.rate("longcontext", method)[0]
+        return start + ASSUMPTIONS[f"tokens:{suite}"][0] / rates.suite_rate("longcontext", method, grid)[0]
     return start + grid["memory"]["context"] / rates.rate("longcontext", method)[0]
 
 
@@ -220,15 +239,25 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
     for shape_name, run in runs.items():
         sub = frame[frame["shape"] == shape_name].copy()
         cfg = run["config"]
-        out += [f"## {shape_name} on {run['device']} ({run['created']}, torch {run['versions']['torch']}, "
+        made = sorted(set(sub["run"]))
+        out += [f"## {shape_name} on {run['device']} ({', '.join(made)}; torch {run['versions']['torch']}, "
                 f"transformers {run['versions']['transformers']})", "",
                 f"Weights {run['shapes'][shape_name]['weight_bytes'] / 2**30:.1f} GiB; Gram {cfg['gram_windows']}, "
                 f"Fisher {cfg['fisher_windows']}, perplexity {cfg['eval_windows']} windows of {cfg['seqlen']}; "
                 f"long context {cfg['longcontext']['context']} + {cfg['longcontext']['new_tokens']} tokens; "
-                f"zero-shot {cfg['zeroshot']['requests']} requests of {cfg['zeroshot']['length']} tokens.", ""]
+                f"zero-shot {cfg['zeroshot']['requests']} requests of {cfg['zeroshot']['length']} tokens."]
+        if "batch" in cfg["zeroshot"]:
+            out[-1] += (f" Batched: zero-shot {cfg['zeroshot']['batch_requests']} requests, "
+                        f"{cfg['zeroshot']['batch']} a forward; long context {cfg['longcontext']['batch']} prompts "
+                        f"of {cfg['longcontext']['batch_context']} + {cfg['longcontext']['new_tokens']} tokens "
+                        "together (`answer_batches`).")
+        if len(made) > 1:
+            out[-1] += (f" Rows from {len(made)} runs (a later partial run measured some steps again): "
+                        "each row is its step's newest measurement, `run` says which.")
+        out.append("")
         sub["step"] = sub["step"] + sub["variant"].map(lambda v: f" {v}" if v else "")
         sub["error"] = sub["error"].fillna("")
-        cols = ["step", "seconds", "tokens_per_s", "job_gpu_gib", "error"]
+        cols = ["step", "seconds", "tokens_per_s", "job_gpu_gib", "error"] + (["run"] if len(made) > 1 else [])
         shown = sub[cols].astype(object).where(sub[cols].notna(), None)
         out.append(shown.rename(columns={"tokens_per_s": "tokens/s", "job_gpu_gib": "job GPU GiB"})
                    .to_markdown(index=False, floatfmt=".2f", missingval=""))
@@ -245,6 +274,13 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
             [["step", "jobs", "min / job", "longest job (min)", "GPU-hours"]].to_markdown(index=False, floatfmt=".2f"),
             "", f"**Total: {total:.1f} GPU-hours** ({proj['jobs'].sum()} GPU jobs).", "", "Assumptions:"]
     out += [f"- {text} ({value:,})" for value, text in ASSUMPTIONS.values()]
+    g = yaml.safe_load(Path(grid).read_text())
+    for suite in ("zeroshot", "longcontext"):
+        size = (g.get(suite) or {}).get("batch_size", 1)
+        out.append(f"- {suite} jobs: the grid's `{suite}.batch_size` is {size!r}, so "
+                   + ("one request / prompt at a time" if size == 1 else
+                      f"at the `{suite}_batched` rates (a fixed batch: `auto` searches for the largest that "
+                      "fits, so this is a bound from above where it fits more)"))
     out += ["- every Palu run at the rates of the G-LRD-4 checkpoint the benchmark evaluates "
             "(M-LRD rebuilds keys faster, J-LRD slower); probed ranks at probe_select's G-LRD-4 time",
             "- loading: the measured `load` (from the page cache); a cold read from a cluster file "
