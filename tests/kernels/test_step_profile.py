@@ -2,7 +2,7 @@
 differencing two profiled runs: its arithmetic on known tables, and its refusals."""
 import pytest
 
-from palu_bench.step_profile import overrides, prefill_rows, step_rows
+from palu_bench.step_profile import NotAStepTime, overrides, prefill_rows, step_rows, step_times
 
 
 def test_one_step_is_the_difference_of_the_two_runs_over_the_steps():
@@ -37,3 +37,18 @@ def test_a_replayed_graph_whose_kernels_were_not_seen_says_so():
 def test_bad_arguments_are_refused_by_name(items, said):
     with pytest.raises(SystemExit, match=said):
         overrides(items)
+
+
+def test_step_times_separate_the_prefill_the_captured_first_step_and_a_replay():
+    """Answers of 1, 2 and 2 + steps tokens (fastest of the repeats): the first step's eager run
+    and capture fall in 2 - 1, never into the per-step time."""
+    walls = {1: [0.70, 0.60], 2: [0.75, 0.70], 10: [0.78, 0.74]}
+    t = step_times(walls, steps=8)
+    assert t["prefill_s"] == pytest.approx(0.60) and t["first_step_s"] == pytest.approx(0.10)
+    assert t["step_ms"] == pytest.approx(5.0)                 # (0.74 - 0.70) / 8
+
+
+def test_a_step_time_that_cannot_be_right_is_an_error():
+    # session 42's Palu row: the 1-token run held a capture the longer one did not
+    with pytest.raises(NotAStepTime, match="-"):
+        step_times({1: [4.03], 2: [4.0], 10: [3.30]}, steps=8)
