@@ -88,6 +88,15 @@ def _even_splits(T: int, splits: int, block_t: int) -> tuple[int, int]:
     return per_split, triton.cdiv(T, per_split)
 
 
+def _padded_block(columns: int, cap: int) -> int:
+    """A rank block of min(cap, next power of two >= columns) stored columns (>= 16), the last
+    chunk masked: rank 96 at 4 bits (48 columns, whose largest power-of-two divisor is 16) in
+    one 64-column chunk instead of three 16-column dots."""
+    if cap < 16 or cap & (cap - 1):
+        raise ValueError(f"block_r={cap} must be a power of two >= 16 (tl.dot's minimum)")
+    return max(16, min(cap, triton.next_power_of_2(columns)))
+
+
 @dataclass(frozen=True)
 class ScoresPlan:
     kernel: str                # qproj_pair | qproj | rebuild (the `_scores` key-rebuild kernel)
@@ -98,16 +107,20 @@ class ScoresPlan:
     block_t: int               # the two-pass tiles (splits hold whole tiles of both kernels)
     per_split: int
     splits: int
-    block_r: int               # `_scores`' rank block
+    block_r: int               # `_scores`' rank block (stored columns; masked where it overruns)
 
 
 def scores_plan(*, rope: bool, rows: int, contig: bool, kbits: int, rk: int, units: int,
                 units_per_group: int, T: int, B: int, dev, splits: int | None, block_t: int,
                 block_r: int | None, qproj: bool | None, qproj_int: bool | None,
                 qproj_pair: bool | None, qproj_block_t: int | None, qproj_stages: int | None,
-                qproj_warps: int | None) -> ScoresPlan:
+                qproj_warps: int | None, pad_r: bool | None = None) -> ScoresPlan:
     """The scores kernel of a two-pass step and its launch shape; the caller's explicit choices
-    are checked (an impossible one is an error), None ones take the measured defaults."""
+    are checked (an impossible one is an error), None ones take the measured defaults. `pad_r`:
+    the rebuild kernel's rank block is the power of two covering the stored columns (up to
+    `block_r`), its overrun masked, instead of the largest power of two dividing them (None /
+    False: the latter, the measured path; the padded block awaits its timing at a batch,
+    benchmarks/palu_bench/batch_scores.py)."""
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
@@ -146,4 +159,4 @@ def scores_plan(*, rope: bool, rows: int, contig: bool, kbits: int, rk: int, uni
         block_r = 256 if rope and kbits == 16 else 128
     kernel = "qproj_pair" if qproj_pair else "qproj" if qproj else "rebuild"
     return ScoresPlan(kernel, bool(qproj_int), qproj_block_t, qproj_stages, qproj_warps, block_t,
-                      per_split, splits, _pow2_block(rkp, block_r))
+                      per_split, splits, _padded_block(rkp, block_r) if pad_r else _pow2_block(rkp, block_r))

@@ -92,7 +92,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
                 qproj_block_t: int | None = None, qproj_stages: int | None = None,
                 qproj_warps: int | None = None, qproj_int: bool | None = None,
-                qproj_pair: bool | None = None, hopper: bool | None = None) -> torch.Tensor:
+                qproj_pair: bool | None = None, hopper: bool | None = None,
+                pad_r: bool | None = None) -> torch.Tensor:
     """One decode step of attention over latents; returns z [B, H, Rv] (float32).
 
     Same contract as `palu_kernels.reference.latent_decode_reference`. RoPE mode when `bk`
@@ -109,6 +110,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
     `qproj_int_default`; `qproj_pair`: fp16 latents two heads per program, `_scores_qproj_pair`,
     None: where measured faster, `qproj_pair_default`);
+    `pad_r=True`: the key-rebuild scores kernel's rank block covers the stored columns with one
+    power of two (masked), not the largest power of two dividing them (`scores_plan`);
     `hopper=True`: RoPE scores by the warp-specialised CUDA kernel of `hopper_scores` (M-LRD rank 64,
     fp16 latents, contiguous positions, 1 or 4 query heads per KV head, a Hopper GPU; else an error
     naming why); None / False: the Triton scores kernels;
@@ -146,7 +149,7 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                        units_per_group=units_per_group, T=T, B=B, dev=dev, splits=splits,
                        block_t=block_t, block_r=block_r, qproj=qproj, qproj_int=qproj_int,
                        qproj_pair=qproj_pair, qproj_block_t=qproj_block_t, qproj_stages=qproj_stages,
-                       qproj_warps=qproj_warps)
+                       qproj_warps=qproj_warps, pad_r=pad_r)
     splits_arg, splits, per_split, block_t = splits, plan.splits, plan.per_split, plan.block_t
     M = max(16, triton.next_power_of_2(rows))
     S = None if hopper else torch.empty(B, H, T, device=dev, dtype=torch.float32)   # Hopper: its own

@@ -11,11 +11,18 @@ from .unpack import _token_scale_zero, _unpack_part, _unpacked_zero
 @triton.jit
 def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k2, s,
                 RP: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, PER_BYTE: tl.constexpr,
-                BITS: tl.constexpr, ROPE: tl.constexpr, ONE_CHUNK: tl.constexpr, ASM: tl.constexpr):
+                BITS: tl.constexpr, ROPE: tl.constexpr, ONE_CHUNK: tl.constexpr, ASM: tl.constexpr,
+                MASK_R: tl.constexpr):
     """One chunk of stored latent columns of a key tile: RoPE, the key halves k1, k2 += h B^T;
     otherwise the scores s += q h^T. Packed part k is unpacked as n 2^(k BITS) (`_unpack_part`)
-    and its dot scaled by 2^-(k BITS) in float32 (exact), so B_k and q keep their fp16 values."""
-    raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
+    and its dot scaled by 2^-(k BITS) in float32 (exact), so B_k and q keep their fp16 values.
+    MASK_R: the chunk runs past the stored columns (a padded block, `ScoresPlan.block_r`): the
+    columns beyond them load as zeros in B_k and q, so they add nothing."""
+    c_ok = cols < RP
+    if MASK_R:
+        raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0)
+    else:
+        raw = tl.load(k_ptr + cols[None, :], mask=t_ok[:, None], other=0)   # loaded once
     for k in tl.static_range(PER_BYTE):
         h = raw.to(tl.float16) if BITS == 16 else _unpack_part(raw, k, BITS, ASM)   # (BT, BR)
         w = 1.0 / (1 << (k * BITS))   # part weight (k = 0 for fp16 latents)
@@ -24,8 +31,13 @@ def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k
             if ONE_CHUNK:
                 b1, b2 = b1_all, b2_all
             else:
-                b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
-                b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
+                if MASK_R:
+                    b1 = tl.load(b_rows + rcols[None, :], mask=c_ok[None, :], other=0.0).to(tl.float16)
+                    b2 = tl.load(b_rows + HALF * R + rcols[None, :], mask=c_ok[None, :],
+                                 other=0.0).to(tl.float16)
+                else:
+                    b1 = tl.load(b_rows + rcols[None, :]).to(tl.float16)   # (HALF, BR)
+                    b2 = tl.load(b_rows + HALF * R + rcols[None, :]).to(tl.float16)
             if k == 0:
                 k1 = tl.dot(h, tl.trans(b1), k1)
                 k2 = tl.dot(h, tl.trans(b2), k2)
@@ -33,7 +45,8 @@ def _chunk_dots(k_ptr, t_ok, cols, b_rows, q_rows, row_ok, b1_all, b2_all, k1, k
                 k1 += tl.dot(h, tl.trans(b1)) * w
                 k2 += tl.dot(h, tl.trans(b2)) * w
         else:
-            qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None], other=0.0).to(tl.float16)
+            qf = tl.load(q_rows + rcols[None, :], mask=row_ok[:, None] & c_ok[None, :],
+                         other=0.0).to(tl.float16)
             if k == 0:
                 s = tl.dot(qf, tl.trans(h), s)
             else:
@@ -55,6 +68,7 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
     PER_BYTE: tl.constexpr = 1 if BITS == 16 else 8 // BITS
     RP: tl.constexpr = R // PER_BYTE                  # stored columns
     ONE_CHUNK: tl.constexpr = (PER_BYTE == 1) and (BLOCK_R == R)
+    MASK_R: tl.constexpr = (RP % BLOCK_R) != 0        # a padded rank block (`ScoresPlan.block_r`)
     rows = tl.arange(0, M)
     row_ok = rows < ROWS
     length = tl.load(LENS + b)
@@ -95,11 +109,14 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
     qsum = tl.zeros([M], tl.float32)
     if BITS != 16:
         for r0 in tl.static_range(0, R, BLOCK_R):
+            r_ok = (r0 + offs_r) < R      # all true unless the block is padded
             if ROPE:
-                zsum1 += tl.sum(tl.load(b_rows + r0 + offs_r[None, :]).to(tl.float16).to(tl.float32), 1)
-                zsum2 += tl.sum(tl.load(b_rows + HALF * R + r0 + offs_r[None, :]).to(tl.float16).to(tl.float32), 1)
+                zsum1 += tl.sum(tl.load(b_rows + r0 + offs_r[None, :], mask=r_ok[None, :],
+                                        other=0.0).to(tl.float16).to(tl.float32), 1)
+                zsum2 += tl.sum(tl.load(b_rows + HALF * R + r0 + offs_r[None, :], mask=r_ok[None, :],
+                                        other=0.0).to(tl.float16).to(tl.float32), 1)
             else:
-                qsum += tl.sum(tl.load(q_rows + r0 + offs_r[None, :], mask=row_ok[:, None],
+                qsum += tl.sum(tl.load(q_rows + r0 + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :],
                                        other=0.0).to(tl.float16).to(tl.float32), 1)
     for t in range(t0, t_end, BLOCK_T):
         offs_t = t + tl.arange(0, BLOCK_T)
@@ -114,11 +131,11 @@ def _scores(Q, HK, HKS, HKZ, BK, POS, POS0, INVF, S, LENS,
         if DYN_CHUNKS:   # a loop, not unrolled: the pipeliner buffers one chunk's loads, not all
             for c0 in range(0, RP, BLOCK_R):
                 k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
-                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM)
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM, MASK_R)
         else:
             for c0 in tl.static_range(0, RP, BLOCK_R):
                 k1, k2, s = _chunk_dots(k_ptr, t_ok, c0 + offs_r, b_rows, q_rows, row_ok, b1_all, b2_all,
-                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM)
+                                        k1, k2, s, RP, R, HALF, PER_BYTE, BITS, ROPE, ONE_CHUNK, ASM, MASK_R)
         if BITS != 16:   # fold the per-token scale and zero point back in
             if ROPE:
                 k1 = k1 * sc[:, None] - (sc * zp)[:, None] * zsum1[None, :]

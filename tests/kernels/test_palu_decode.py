@@ -94,6 +94,41 @@ def test_scores_kernel_chunk_loop_matches_unrolled_chunks(rope, bits, monkeypatc
     assert _rel(looped, ref) < 5e-3 and _rel(looped, unrolled) < 1e-5
 
 
+@pytest.mark.parametrize("rope", [True, False])
+@pytest.mark.parametrize("bits, rk", [(4, 96), (2, 192), (16, 80), (8, 48)])
+def test_padded_rank_block_matches_the_divisor_blocks(rope, bits, rk, monkeypatch):
+    # SmolLM2's J-LRD-50 % keys: rank 96, 48 stored columns at 4 bits, whose largest power-of-two
+    # divisor is 16 (three chunks of tiny dots); `pad_r` takes them in one 64-column chunk, the
+    # overrun masked. GQA (3 query rows a KV head, as SmolLM2), ragged lengths, chunks unrolled
+    # and looped alike (the loop is what large ranks take)
+    q, hk, hv, bk, pos, invf = _case(2, 1, 3, 3 if rope else 1, 40, rk=rk, rv=32, rope=rope, seed=rk + bits)
+    if bits != 16:
+        hk = quantize_latent(hk, bits)
+    kw = dict(scale=0.2, n_rep=3 if rope else 1, group_size=3, bk=bk, positions=pos, inv_freq=invf,
+              lengths=torch.tensor([40, 23], device=DEV))
+    ref = latent_decode_reference(q, hk, hv, **kw)
+    run = lambda pad: palu_decode(q, hk, hv, splits=2, block_t=16, block_rv=16, fused=False,  # noqa: E731
+                                  qproj=False, pad_r=pad, **kw)
+    divisor, padded = run(False), run(True)
+    assert _rel(padded, ref) < 5e-3 and _rel(padded, divisor) < 1e-5
+    import palu_kernels.palu_decode as pd
+    monkeypatch.setattr(pd, "_dynamic_chunks", lambda *a: True)
+    assert _rel(run(True), padded) < 1e-5
+
+
+def test_padded_rank_block_plan():
+    from palu_kernels.decode_policy import scores_plan
+    kw = dict(rope=True, rows=3, contig=True, kbits=4, units=3, units_per_group=3, T=4096, B=64,
+              dev=torch.device("cpu"), splits=None, block_t=32, qproj=None, qproj_int=None,
+              qproj_pair=None, qproj_block_t=None, qproj_stages=None, qproj_warps=None)
+    assert scores_plan(rk=96, block_r=None, **kw).block_r == 16          # the divisor block
+    assert scores_plan(rk=96, block_r=None, pad_r=True, **kw).block_r == 64
+    assert scores_plan(rk=96, block_r=32, pad_r=True, **kw).block_r == 32   # two chunks, one masked
+    assert scores_plan(rk=512, block_r=None, pad_r=True, **kw).block_r == 128
+    with pytest.raises(ValueError, match="block_r=24"):
+        scores_plan(rk=96, block_r=24, pad_r=True, **kw)
+
+
 @pytest.mark.parametrize("shared, looped", [(655872, True), (82432, False)])
 def test_scores_chunk_loop_is_chosen_by_the_compiled_shared_memory(shared, looped, monkeypatch):
     # The GPU-only branch of `_dynamic_chunks`, compiler and device faked: the unrolled variant
