@@ -6,6 +6,12 @@ more than FP16's whole attention; its J-LRD keys (rank 96, 48 stored 4-bit colum
 16-column chunks of tiny dots. This run says which variant (`pad_r`: one masked 64-column chunk;
 tiles, warps) wins and by how much, per layer and projected to a 30-layer step.
 
+It also times the prefill's attention at SmolLM2's shapes, three ways: causal with the KV heads
+shared (`enable_gqa`, what transformers passes when no mask is given: KIVI's right-padded prefill),
+causal over repeated KV heads, and an explicit padding mask over repeated heads (FP16's
+left-padded prefill) -- per SDPA backend. The same step profile found KIVI-2's prefill attention
+(cuDNN) at 0.80 s against FP16's 0.08 s for the same shapes; this says whether the GQA call is why.
+
   python -m palu_bench.batch_scores OUT.json [batches=64,128] [length=4096] [rep_ms=20]
 
 Only torch and triton are needed (a GPU host as shipped).
@@ -39,6 +45,72 @@ CFG = {"warmup_ms": 10, "rep_ms": 20, "rotate_l2_multiple": 4, "rotate_max_copie
        "check_length": -1, "sdpa_backends": ["flash", "efficient", "cudnn"], "eager_max_length": 0}
 
 
+def prefill_variants(B: int, T: int, device, backends=("flash", "efficient", "cudnn"), seed: int = 0):
+    """{name: call} of one layer's prefill attention at SmolLM2's shapes (B rows of T tokens, the
+    first row's first T // 8 tokens padding), and the inputs' byte / FLOP counts."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .latency import SDPA_BACKENDS
+    H, KVH, D = SHAPE["heads"], SHAPE["kv_heads"], SHAPE["head_dim"]
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    q = torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g)
+    k = torch.randn(B, KVH, T, D, device=device, dtype=dtype, generator=g)
+    v = torch.randn(B, KVH, T, D, device=device, dtype=dtype, generator=g)
+    kr, vr = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    real = torch.ones(B, T, dtype=torch.bool, device=device)
+    real[0, :T // 8] = False
+    mask = causal[None, None] & real[:, None, None, :]
+    mask |= ~real[:, None, :, None]   # a pad query attends to everything (no all-masked row)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = {}
+    for name in backends:
+        backend = [SDPBackend.MATH] if name == "math" else getattr(SDPBackend, SDPA_BACKENDS[name])
+
+        def gqa(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(q, k, v, is_causal=True, enable_gqa=True)
+
+        def repeated(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(q, kr, vr, is_causal=True)
+
+        def masked(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(q, kr, vr, attn_mask=mask)
+        calls.update({f"{name}-causal-gqa": gqa, f"{name}-causal-repeated": repeated,
+                      f"{name}-mask-repeated": masked})
+    flops = 4 * B * H * T * T * D // 2   # causal: half the score and value products
+    return calls, {"bytes": (q.numel() + 2 * k.numel()) * q.element_size() * 2, "flops": flops}, real
+
+
+def prefill_rows(B: int, T: int, ceil, log=print) -> list[dict]:
+    """Each prefill variant timed (median, eager launches), checked on the rows without padding
+    against the first backend's causal GQA call."""
+    import triton.testing
+    calls, counts, real = prefill_variants(B, T, "cuda")
+    rows, ref = [], None
+    for name, call in calls.items():
+        try:
+            out = call()
+            if ref is None:
+                ref = out
+            err = ((out[1:] - ref[1:]).float().norm() / ref[1:].float().norm()).item()
+            if not err < 5e-3:
+                raise ArithmeticError(f"relative error {err:.2e} against {next(iter(calls))}")
+            t = triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median") * 1e-3
+            row = timed_row(f"prefill-{name}", "smollm2-135m", B, T, t, counts, ceil, rel_err=err,
+                            step_s=LAYERS * t)
+            log(f"prefill B={B} T={T} {name}: {t * 1e3:.2f} ms a layer ({LAYERS * t:.3f} s for "
+                f"{LAYERS}), {row['tflop_per_s']:.0f} TFLOP/s")
+        except Exception as e:   # a backend that does not serve this call: a row saying so
+            row = {"variant": f"prefill-{name}", "batch": B, "length": T, "error": f"{type(e).__name__}: {e}"[:300]}
+            log(f"prefill B={B} T={T} {name}: FAILED {row['error']}")
+        rows.append(row)
+    return rows
+
+
 def _args(argv):
     kw = dict(a.split("=", 1) for a in argv)
     unknown = set(kw) - {"batches", "length", "rep_ms"}
@@ -59,6 +131,9 @@ def run(out: str, batches, T: int, rep_ms: float, log=print) -> dict:
     result = {"host": platform.node(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": SHAPE, "layers": LAYERS, "length": T, "ceilings": ceil, "rows": [],
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    result["rows"] += prefill_rows(min(batches), T, ceil, log)
+    torch.cuda.empty_cache()
+    _write(out, result)
     for B in batches:
         rows, base = baseline_rows("smollm2-135m", SHAPE, B, T, cfg, ceil, [], log)
         result["rows"] += rows

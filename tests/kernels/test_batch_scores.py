@@ -33,3 +33,17 @@ def test_settings_are_checked():
         batch_scores._args(["batch=8"])
     with pytest.raises(SystemExit, match="must be >= 1"):
         batch_scores._args(["batches=0"])
+
+
+def test_prefill_variants_compute_one_attention():
+    # the three prefill calls (causal GQA, causal over repeated heads, a padding mask) agree on
+    # the rows without padding (the math backend: what a CPU runs)
+    calls, counts, real = batch_scores.prefill_variants(3, 40, "cpu", backends=("math",))
+    outs = {name: call() for name, call in calls.items()}
+    ref = outs["math-causal-gqa"]
+    assert set(outs) == {"math-causal-gqa", "math-causal-repeated", "math-mask-repeated"}
+    for name, out in outs.items():
+        assert torch.allclose(out[1:], ref[1:], atol=1e-5), name
+    # row 0's real queries see only real keys under the mask: not what causal attention gives
+    assert not torch.allclose(outs["math-mask-repeated"][0, :, 5:], ref[0, :, 5:], atol=1e-3)
+    assert counts["flops"] == 4 * 3 * 9 * 40 * 40 * 64 // 2
