@@ -107,3 +107,26 @@ def test_the_ragged_cache_refuses_a_step_at_the_wrong_slot(tiny_base, tiny_palu_
     assert cache.lengths.tolist() == [5, 3]
     cache.reset()
     assert not cache.ragged
+
+
+@pytest.mark.parametrize("bits, extra", [(16, {}), (4, {}), (2, {}), (3, {}), (4, {"channel_group": 8})])
+def test_row_bytes_on_their_line_equal_each_measured(tiny_base, tiny_palu_checkpoint, bits, extra):
+    # a batch's row bytes come from three measurements (1, 2 and the largest count), not one a
+    # length; every count's must equal its own measurement
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, bits, **extra)
+    counts = [5, 9, 17, 33, 9]
+    got = static_decode.latent_rows_bytes(method, model, counts)
+    assert set(got) == {5, 9, 17, 33}
+    for t in got:
+        assert got[t] == static_decode.latent_row_bytes(method, model, t), (bits, extra, t)
+    assert got[33]["stored"] > got[5]["stored"] > 0
+
+
+def test_row_bytes_off_their_line_are_measured_each(tiny_base, tiny_palu_checkpoint, monkeypatch, caplog):
+    method, model = _palu(tiny_base, tiny_palu_checkpoint, 4)
+    paged = lambda method, model, t: {"stored": 100 * -(-t // 8), "read_per_step": 100 * -(-t // 8),  # noqa: E731
+                                      "tokens": t}
+    monkeypatch.setattr(static_decode, "latent_row_bytes", paged)
+    got = static_decode.latent_rows_bytes(method, model, [3, 10, 20, 30])
+    assert {t: v["stored"] for t, v in got.items()} == {3: 100, 10: 200, 20: 300, 30: 400}
+    assert "not affine in its tokens" in caplog.text

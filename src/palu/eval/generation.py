@@ -176,14 +176,9 @@ def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, i
     slots, each decode step a replayed CUDA graph; a row's bytes are what the method's own cache
     holds for its tokens (`static_decode.latent_row_bytes`)."""
     new, _ = static_decode.greedy_static_latent(model, method, ids, mask, max_new_tokens, stop)
-    held: dict[int, dict] = {}
-    out = []
-    for p, n in zip(prompts, new):
-        tokens = len(p) + len(n) - 1
-        if tokens not in held:
-            held[tokens] = static_decode.latent_row_bytes(method, model, tokens)
-        out.append((tokenizer.decode(n, skip_special_tokens=True), dict(held[tokens])))
-    return out
+    held = static_decode.latent_rows_bytes(method, model, [len(p) + len(n) - 1 for p, n in zip(prompts, new)])
+    return [(tokenizer.decode(n, skip_special_tokens=True), dict(held[len(p) + len(n) - 1]))
+            for p, n in zip(prompts, new)]
 
 
 def _generate_in_slots(greedy, model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
