@@ -336,3 +336,19 @@ def test_one_capture_serves_every_fit_and_round_trips(tmp_path):
     plain = capture_activations(copy.deepcopy(base), calib, fisher=False, tokens_per_window=16, progress=False)
     with pytest.raises(ValueError, match="weighting=fisher needs activations captured with their gradients"):
         fit_from_activations(plain, 3, "fisher", 0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bits, group, axis", [(2, 32, "token"), (4, 32, "token"), (2, 16, "channel"),
+                                               (4, 64, "channel"), (3, 8, "channel")])
+def test_roundtrip_is_decode_of_encode_bit_for_bit(dtype, bits, group, axis):
+    # the slots' decode step codes a due block with `roundtrip` (no packing): it must store
+    # exactly what the cache's codes decode to, constant groups and outliers included
+    from palu.quant.codecs import UniformCodec
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    x = (torch.randn(2, 3, 64, 64, generator=g) * torch.logspace(-3, 2, 64)).to(dtype)
+    x[0, 0, :32] = 1.25          # a constant block
+    codec = UniformCodec(bits, group, axis)
+    want = codec.decode(codec.encode(x, 0), 0, x.dtype)
+    got = codec.roundtrip(x, 0)
+    assert got.dtype == want.dtype and torch.equal(got, want)

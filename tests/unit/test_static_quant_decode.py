@@ -157,3 +157,27 @@ def test_the_left_padded_prefill_equals_each_prompt_alone(gqa_base, vscale_state
     ids, mask = left_padded(PROMPTS)
     new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False)
     assert new == [greedy_alone(model, method, p, NEW)[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name, shared", [("kivi", True), ("kivi_snapkv", None)])
+def test_layers_of_equal_counts_share_a_steps_due_blocks(gqa_base, vscale_state, name, shared, monkeypatch):
+    """The due blocks' index kernels run once a step (per block length), not once a layer and
+    buffer, where every layer's rows hold the same counts; KIVI + SnapKV's layers evict apart
+    and may not. The answers stay the rows' own (the tests above)."""
+    from palu.cache.quant_slots import QuantSlots
+    calls = []
+    real = QuantSlots._quantised_end
+    monkeypatch.setattr(QuantSlots, "_quantised_end", lambda self, n, b: calls.append(b) or real(self, n, b))
+    method, model = _installed(gqa_base, name, vscale_state)
+    ids, mask = left_padded(PROMPTS)
+    made = []
+    init = QuantSlots.__init__
+    monkeypatch.setattr(QuantSlots, "__init__", lambda self, *a, **k: made.append(self) or init(self, *a, **k))
+    static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False)
+    slots, = made
+    if shared is not None:
+        assert slots._shares_due is shared
+    blocks = {c.block for c in slots.codecs}
+    per_step = 2 * len(blocks) * (1 if slots._shares_due else len(slots.keys))
+    prefill = len(calls) - (NEW - 1) * per_step   # `_row_forms` counts too, once per layer and buffer
+    assert 0 <= prefill <= 2 * len(slots.keys), (len(calls), per_step)

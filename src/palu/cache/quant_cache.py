@@ -61,6 +61,11 @@ class Codec:
     def decode(self, enc: dict, layer: int, dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def roundtrip(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """decode(encode(x)): x in the form the cache holds it once coded. A codec may skip its
+        storage format here (packing), provided the values are bit for bit decode(encode(x))."""
+        return self.decode(self.encode(x, layer), layer, x.dtype)
+
     def layer_metadata_nbytes(self, layer: int) -> int:
         """Bytes stored once per layer whatever the length (codebooks, calibrated scales)."""
         return 0

@@ -106,7 +106,7 @@ class DenseRows:
         slots = _pinned([[s + i for i in range(block)] for _, s in due], buf.device)
         where = (rows[:, None, None], self._heads[None, :, None], slots[:, None, :])
         exact = buf[where]                                              # (rows, H, block, d)
-        buf[where] = codec.decode(codec.encode(exact, self.layer), self.layer, exact.dtype)
+        buf[where] = codec.roundtrip(exact, self.layer)
 
     def _grow(self) -> None:
         if self.width < self.bufs[0].shape[2]:

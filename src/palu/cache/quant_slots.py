@@ -77,6 +77,11 @@ class QuantSlots:
             self.held.append(held)
         self.step = torch.zeros(1, dtype=torch.long, device=self.keys[0].device)   # advanced on the device
         self.new_tokens = new_tokens
+        # Layers whose rows hold the same counts (every layer but an evicting composition's) share
+        # one step's due blocks: computed at the first such layer, reused by the rest (a captured
+        # step replays the first layer's index kernels and every layer reads their outputs).
+        self._shares_due = all(h == self.held[0] for h in self.held)
+        self._due: dict = {}
 
     def _row_forms(self, lay, lengths: torch.Tensor):
         """Each row's tokens (1, H, n_b, d) in the forms that row alone holds them after its prompt,
@@ -95,7 +100,7 @@ class QuantSlots:
             n = x.shape[2]
             end = sink + max(0, n - sink) // codec.block * codec.block
             if end > sink:
-                coded = codec.decode(codec.encode(x[:, :, sink:end], lay.layer_idx), lay.layer_idx, x.dtype)
+                coded = codec.roundtrip(x[:, :, sink:end], lay.layer_idx)
                 j = torch.arange(n, device=x.device)
                 held = (j >= sink) & (j < self._quantised_end(lengths.to(x.device), codec.block)[:, None])
                 x = torch.where(held[:, None, :, None], torch.cat([x[:, :, :sink], coded, x[:, :, end:]], 2), x)
@@ -109,9 +114,10 @@ class QuantSlots:
         self.keys[layer].index_copy_(2, slot, keys)
         self.values[layer].index_copy_(2, slot, values)
         self.masks[layer].index_fill_(3, slot, True)
-        old = self.counts[layer] + self.step          # (B,) tokens each row held before this one
+        if layer == 0 or not self._shares_due:
+            self._due.clear()
         for buf, codec in zip((self.keys[layer], self.values[layer]), self.codecs):
-            self._code_due(buf, codec, layer, old, self.starts[layer])
+            self._code_due(buf, codec, layer)
         return self.keys[layer], self.values[layer], self.masks[layer]
 
     def attend(self, layer: int, queries, keys, values, scale: float) -> torch.Tensor:
@@ -127,17 +133,27 @@ class QuantSlots:
         sink, window = self.schedule.sink, self.schedule.window
         return n.clamp(max=sink) + torch.div((n - window - sink).clamp(min=0), block, rounding_mode="floor") * block
 
-    def _code_due(self, buf, codec, layer: int, old: torch.Tensor, start: torch.Tensor) -> None:
+    def _due_blocks(self, layer: int, block: int, cap: int):
+        """(grows (B,), slots (B, 1, block, 1)): whether each row's count of coded tokens grows with
+        this step's token, and the slots of the block starting at its first uncoded token."""
+        if block not in self._due:
+            old = self.counts[layer] + self.step          # (B,) tokens each row held before this one
+            sink = self.schedule.sink
+            end = self._quantised_end(old, block)
+            grows = self._quantised_end(old + 1, block) - (old + 1).clamp(max=sink) != end - old.clamp(max=sink)
+            slots = (self.starts[layer] + end)[:, None] + torch.arange(block, device=old.device)   # (B, block)
+            self._due[block] = grows, slots.clamp(max=cap - 1)[:, None, :, None]
+        return self._due[block]
+
+    def _code_due(self, buf, codec, layer: int) -> None:
         """In every row, the block starting at its first uncoded token coded; kept where its count of
         coded tokens grows with this token (`DenseRows._code_due`), left exact elsewhere."""
-        block, sink = codec.block, self.schedule.sink
-        end = self._quantised_end(old, block)
-        grows = self._quantised_end(old + 1, block) - (old + 1).clamp(max=sink) != end - old.clamp(max=sink)
+        block = codec.block
         B, H, cap, d = buf.shape
-        slots = (start + end)[:, None] + torch.arange(block, device=buf.device)        # (B, block)
-        where = slots.clamp(max=cap - 1)[:, None, :, None].expand(B, H, block, d)
+        grows, slots = self._due_blocks(layer, block, cap)
+        where = slots.expand(B, H, block, d)
         exact = buf.gather(2, where)
-        coded = codec.decode(codec.encode(exact, layer), layer, exact.dtype)
+        coded = codec.roundtrip(exact, layer)
         buf.scatter_(2, where, torch.where(grows[:, None, None, None], coded, exact))
 
     def row(self, b: int, new: int) -> "_SlotRowBytes":

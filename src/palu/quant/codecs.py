@@ -7,7 +7,7 @@ import torch
 from ..cache.quant_cache import Codec
 from ..decompose.rotation import rotation_matrix
 from .codebook import nearest, sphere_coordinate_codebook
-from .uniform import dequantize, quantize
+from .uniform import dequantize, fake_quantize, quantize
 from palu.quant.packed import pack_codes, packed_width, unpack_codes
 
 
@@ -30,6 +30,9 @@ class UniformCodec(Codec):
 
     def decode(self, enc, layer, dtype):
         return dequantize(enc, self.bits, self.group, self.axis, dtype)
+
+    def roundtrip(self, x, layer):
+        return fake_quantize(x, self.bits, self.group, self.axis)
 
     def nbytes_for(self, tokens: int, B: int, H: int, d: int) -> dict:
         groups = tokens * d // self.group

@@ -42,6 +42,20 @@ def quantize(x: torch.Tensor, bits: int, group: int, axis: str = "channel") -> d
     return {"codes": codes, "scale": scale.squeeze(dim), "min": mn.squeeze(dim)}
 
 
+def fake_quantize(x: torch.Tensor, bits: int, group: int, axis: str = "channel") -> torch.Tensor:
+    """dequantize(quantize(x)) bit for bit, without packing the codes and unpacking them again
+    (lossless for codes in [0, 2^bits)): the same scale, minimum and codes, the same float32
+    products, cast to x's dtype. A decode step that codes a block as it falls due needs only
+    this (`cache/quant_slots.py`), and the pack / unpack were ~12 of its ~35 kernels a call."""
+    levels = 2 ** bits - 1
+    g, dim = _grouped(x.float(), group, axis)
+    lo, hi = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
+    mn = lo.half()
+    scale = ((hi - mn.float()) / levels).clamp_min(MIN_SCALE).half()
+    q = torch.floor((g - mn.float()) / scale.float() + 0.5).clamp(0, levels).to(torch.uint8)
+    return (q.float() * scale.float() + mn.float()).reshape(x.shape).to(x.dtype)
+
+
 def dequantize(enc: dict, bits: int, group: int, axis: str, dtype) -> torch.Tensor:
     shape = enc["min"].shape
     d = shape[-1] * group if axis == "channel" else shape[-1]
