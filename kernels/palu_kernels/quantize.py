@@ -27,11 +27,14 @@ def _div(a, b):
 def _quantize_store(H, DATA, SCALE, ZERO, start,
                     s_hb, s_hg, s_ht, s_db, s_dg, s_dt, s_sb, s_sg, s_st,
                     R: tl.constexpr, RP_P2: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr,
-                    MIN_S: tl.constexpr, ZLIM: tl.constexpr, START_IN_MEMORY: tl.constexpr):
-    if START_IN_MEMORY:   # a device tensor: a captured CUDA graph replays with each step's slot
-        start = tl.load(start).to(tl.int32)
+                    MIN_S: tl.constexpr, ZLIM: tl.constexpr, START_IN_MEMORY: tl.constexpr,
+                    START_PER_ROW: tl.constexpr):
     t, pid = tl.program_id(0), tl.program_id(1)   # tokens on axis 0: up to 2^31 - 1 (axis 1: 65535)
     b, g = pid // G, pid % G
+    if START_PER_ROW:     # each row's own slot (a ragged batch's step: every row at its length)
+        start = tl.load(start + b).to(tl.int32)
+    elif START_IN_MEMORY:   # a device tensor: a captured CUDA graph replays with each step's slot
+        start = tl.load(start).to(tl.int32)
     PER: tl.constexpr = 8 // BITS
     RP: tl.constexpr = R // PER
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -72,15 +75,24 @@ def quantize_grid(B: int, G: int, n: int) -> tuple[int, int]:
     return (n, B * G)
 
 
-def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int | torch.Tensor) -> None:
+def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int | torch.Tensor,
+                  per_row: bool = False) -> None:
     """Quantise latents h [B, G, n, R] and write them to tokens start .. start+n-1 of dst.
 
     `start`: a Python int, or a one-element integer tensor on dst's device, read by the kernel
-    (no host sync; a CUDA graph captured with it writes wherever the tensor points at replay).
+    (no host sync; a CUDA graph captured with it writes wherever the tensor points at replay);
+    `per_row`: `start` is a (B,) integer tensor, row b's tokens written from start[b] (a ragged
+    batch's step, one launch where scattering torch's codes row by row took ~25 kernels).
     Only an int start is checked against the cache's length."""
     B, G, n, R = h.shape
     in_memory = isinstance(start, torch.Tensor)
-    if in_memory:
+    if per_row:
+        if not in_memory or tuple(start.shape) != (B,) or start.dtype.is_floating_point \
+                or start.device != dst.data.device:
+            raise ValueError(f"per_row: start must be {B} integers (one a row) on {dst.data.device}; got "
+                             f"{getattr(start, 'dtype', type(start).__name__)} "
+                             f"{tuple(getattr(start, 'shape', ()))}")
+    elif in_memory:
         if start.numel() != 1 or start.dtype.is_floating_point or start.device != dst.data.device:
             raise ValueError(f"start tensor must be one integer on {dst.data.device}; got "
                              f"{start.dtype} {tuple(start.shape)} on {start.device}")
@@ -98,4 +110,4 @@ def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int | torch.Tensor) 
         dst.data.stride(0), dst.data.stride(1), dst.data.stride(2),
         dst.scale.stride(0), dst.scale.stride(1), dst.scale.stride(2),
         R=R, RP_P2=triton.next_power_of_2(rp), BITS=dst.bits, G=G, MIN_S=MIN_SCALE,
-        ZLIM=ZERO_LIMIT, START_IN_MEMORY=in_memory, num_warps=1)
+        ZLIM=ZERO_LIMIT, START_IN_MEMORY=in_memory, START_PER_ROW=per_row, num_warps=1)

@@ -254,3 +254,24 @@ def test_captured_steps_replay_what_eager_steps_compute(family, dtype, bits):
     assert sorted(decoder.graphs) == [320, 352]          # 301..340 tokens
     assert cache.seen == eager.seen == 340
     assert _rel(torch.stack(out, 1).float(), ref.float()) < (2e-2 if dtype == torch.bfloat16 else 5e-3)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_ragged_step_stores_each_row_as_torch_does(bits, monkeypatch):
+    # the ragged (per-row slot) write: one quantise-store launch on a GPU / in the interpreter,
+    # torch's codes scattered row by row on a plain CPU; the same bytes either way
+    model = _compressed(tiny_llama())
+    torch.manual_seed(1)
+    buffers = []
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        cache = palu.GraphLatentCache(model, max_tokens=12, batch=3, bits=bits)
+        layer = cache.layers[0]
+        rk, rv = layer.keys.rank * layer.groups, layer.values.rank * layer.groups
+        g = torch.Generator().manual_seed(7)
+        hk, hv = torch.randn(3, 1, rk, generator=g), torch.randn(3, 1, rv, generator=g)
+        layer.write(hk, hv, torch.tensor([4, 9, 0]), per_row=True)
+        buffers.append([t.clone() for buf in (layer.keys, layer.values) for t in (buf.data, buf.scale, buf.zero)])
+    for torch_made, kernel_made in zip(*buffers):
+        assert torch.equal(torch_made, kernel_made)
+    assert buffers[0][1][1, :, 9].ne(0).all() and buffers[0][1][1, :, :9].eq(0).all()

@@ -411,6 +411,30 @@ def test_quantise_store_reads_its_start_slot_from_a_tensor(bits):
         quantize_into(h, empty(), start=torch.tensor([1.0, 2.0], device=DEV))
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantise_store_writes_each_row_at_its_own_slot(bits):
+    # a ragged batch's decode step: row b's token at slot start[b], one launch, the bytes torch's
+    # codes give that row; no other slot touched
+    from palu.quant.packed import QuantLatent
+    from palu_kernels.quantize import quantize_into
+    h = (torch.randn(3, 2, 1, 64) * 3).half().to(DEV)
+    per = 8 // bits
+    dst = QuantLatent(torch.zeros(3, 2, 7, 64 // per, dtype=torch.uint8, device=DEV),
+                      torch.zeros(3, 2, 7, dtype=torch.float16, device=DEV),
+                      torch.zeros(3, 2, 7, dtype=torch.float16, device=DEV), bits, 64)
+    starts = torch.tensor([5, 0, 3], device=DEV)
+    quantize_into(h, dst, starts, per_row=True)
+    ref = quantize_latent(h, bits)
+    for b, t in enumerate(starts.tolist()):
+        assert torch.equal(dst.data[b, :, t], ref.data[b, :, 0])
+        assert torch.equal(dst.scale[b, :, t], ref.scale[b, :, 0]) and torch.equal(dst.zero[b, :, t], ref.zero[b, :, 0])
+        others = [j for j in range(7) if j != t]
+        assert dst.scale[b, :, others].eq(0).all() and dst.data[b, :, others].eq(0).all()
+    for bad in (torch.tensor([1, 2], device=DEV), torch.tensor([1.0, 2.0, 3.0], device=DEV), 4):
+        with pytest.raises(ValueError, match="per_row: start must be 3 integers"):
+            quantize_into(h, dst, bad, per_row=True)
+
+
 def test_quantise_store_puts_tokens_on_the_long_grid_axis():
     # A 64K-token prefill on the grid's second axis (at most 65535 programs) failed on the GPU
     # with "invalid argument"; the first axis takes 2^31 - 1.

@@ -76,7 +76,10 @@ class GraphLatentLayer(CacheLayerMixin):
         B, T, _ = hk.shape
         for buf, h in ((self.keys, hk), (self.values, hv)):
             h = h.view(B, T, self.groups, -1).transpose(1, 2)              # (B, G, T, r)
-            if per_row:   # torch quantisation (bit for bit the kernel's), scattered row by row
+            if per_row and isinstance(buf, QuantLatent) and (h.device.type == "cuda" or _interpreting()):
+                from palu_kernels.quantize import quantize_into   # one launch, each row at its slot
+                quantize_into(h, buf, slots, per_row=True)
+            elif per_row:   # torch quantisation (bit for bit the kernel's), scattered row by row
                 rows = torch.arange(B, device=h.device)
                 pairs = ((buf, h.to(buf.dtype)),) if not isinstance(buf, QuantLatent) else \
                     ((dst, src) for dst, src in zip((buf.data, buf.scale, buf.zero),
