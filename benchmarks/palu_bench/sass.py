@@ -10,6 +10,7 @@ can check that the inline PTX in `palu_decode` assembles. The counts depend on t
     python -m palu_bench.sass --scores   # shared memory of the two-pass scores kernel at large ranks
     python -m palu_bench.sass --qproj    # the folded-query RoPE scores kernel, fp16 vs int8 dots
     python -m palu_bench.sass --two-pass # the rebuild-scores and values kernels (J-LRD, GQA, rank 512)
+    python -m palu_bench.sass --smollm2  # rebuild scores at SmolLM2's J-LRD keys: divisor vs padded rank block
 """
 from __future__ import annotations
 
@@ -64,20 +65,23 @@ def compile_fused(bits: int = 4, rows: int = 4, rank: int = 256, block_t: int = 
 
 
 def compile_scores(bits: int = 16, rank: int = 2048, rope: bool = True, dynamic: bool = False,
-                   block_r: int | None = None, arch: int = 90):
-    """The two-pass `_scores` kernel (llama2 shapes, MHA, palu_decode's default tiles), its rank
-    chunks unrolled or (dynamic) looped."""
-    rows, units = (1, 32) if rope else (32, 1)
+                   block_r: int | None = None, arch: int = 90, rows: int | None = None,
+                   units: int | None = None, half: int = 64, block_t: int = 32, warps: int = 4):
+    """The two-pass `_scores` kernel (default: llama2 shapes, MHA, palu_decode's default tiles),
+    its rank chunks unrolled or (dynamic) looped; `rows` query heads a KV head, `units` KV heads
+    a group, `half` = head_dim / 2 for other models' shapes."""
+    rows = rows or (1 if rope else 32)
+    units = units or (32 if rope else 1)
     block_r = block_r or (256 if rope and bits == 16 else 128)
-    consts = dict(UNITS_PER_GROUP=units, ROWS=rows, M=max(16, rows), R=rank, BLOCK_R=block_r,
-                  HALF=64 if rope else 16, ROPE=rope, BITS=bits, BLOCK_T=32, NUM_UNITS=units,
-                  CONTIG=True, DYN_CHUNKS=dynamic, ASM=True, s_st=1)
+    consts = dict(UNITS_PER_GROUP=units, ROWS=rows, M=max(16, triton.next_power_of_2(rows)), R=rank,
+                  BLOCK_R=block_r, HALF=half if rope else 16, ROPE=rope, BITS=bits, BLOCK_T=block_t,
+                  NUM_UNITS=units, CONTIG=True, DYN_CHUNKS=dynamic, ASM=True, s_st=1)
     pointer = {"Q": "*fp16", "HK": "*u8" if bits != 16 else "*fp16", "HKS": "*fp16", "HKZ": "*fp16",
                "BK": "*fp16", "POS": "*i32", "POS0": "*i32", "INVF": "*fp32", "S": "*fp32", "LENS": "*i32"}
     cols = rank // (1 if bits == 16 else 8 // bits)
     divisible = dict(s_qb=32 * 128, s_qh=128, s_kt=cols, s_kg=65536 * cols, s_kb=65536 * cols,
                      s_sb=65536, s_sg=65536, s_ob=32 * 65536, s_oh=65536)
-    return _compile(_scores, consts, pointer, divisible, 4, 2, arch)
+    return _compile(_scores, consts, pointer, divisible, warps, 2, arch)
 
 
 def compile_qproj(bits: int = 4, rank: int = 256, int_h: bool = False, block_t: int = 64,
@@ -171,7 +175,29 @@ def _qproj_table():
               f"{p['registers']:5d} {p['loop_instructions']:5d}  {top}")
 
 
+def _smollm2_table():
+    """SmolLM2-135M's J-LRD-50 % keys (rank 96 over 3 KV heads of 64 dimensions, 3 query heads
+    each): the rank block that divides the stored columns against one padded block (`pad_r`)."""
+    print("`_scores` at SmolLM2's J-LRD-50 % keys (rank 96, 3 KV heads x 3 query rows, head_dim 64), sm_90;")
+    print("loop = instructions per token tile (the widest backward branch), per token = loop / tile")
+    print(f"{'bits':>4} {'block_r':>8} {'tile':>7} {'regs':>5} {'smem':>7} {'loop':>5} {'per token':>9}  top opcodes")
+    for bits in (4, 16):
+        cols = 96 // (1 if bits == 16 else 8 // bits)
+        divisor = 16 if bits == 4 else 32
+        for block_r, block_t, warps in ((divisor, 32, 4), (triton.next_power_of_2(cols), 32, 4),
+                                        (divisor, 64, 4), (triton.next_power_of_2(cols), 64, 4)):
+            p = loop_profile(compile_scores(bits, 96, True, block_r=block_r, rows=3, units=3, half=32,
+                                            block_t=block_t, warps=warps))
+            top = ", ".join(f"{k} {v}" for k, v in p["ops"].most_common(8))
+            pad = "" if cols % block_r == 0 else " pad"
+            print(f"{bits:4d} {str(block_r) + pad:>8} {f'{block_t}/{warps}w':>7} {p['registers']:5d} "
+                  f"{p['shared']:7d} {p['loop_instructions']:5d} {p['loop_instructions'] / block_t:9.1f}  {top}")
+
+
 if __name__ == "__main__":
+    if "--smollm2" in sys.argv:
+        _smollm2_table()
+        sys.exit()
     if "--scores" in sys.argv:
         _shared_table()
         sys.exit()
