@@ -107,10 +107,11 @@ def test_padded_rank_block_matches_the_divisor_blocks(rope, bits, rk, monkeypatc
     kw = dict(scale=0.2, n_rep=3 if rope else 1, group_size=3, bk=bk, positions=pos, inv_freq=invf,
               lengths=torch.tensor([40, 23], device=DEV))
     ref = latent_decode_reference(q, hk, hv, **kw)
-    run = lambda pad: palu_decode(q, hk, hv, splits=2, block_t=16, block_rv=16, fused=False,  # noqa: E731
-                                  qproj=False, pad_r=pad, **kw)
+    run = lambda pad, block_r=None: palu_decode(q, hk, hv, splits=2, block_t=16, block_rv=16,  # noqa: E731
+                                                fused=False, qproj=False, pad_r=pad, block_r=block_r, **kw)
     divisor, padded = run(False), run(True)
     assert _rel(padded, ref) < 5e-3 and _rel(padded, divisor) < 1e-5
+    assert _rel(run(True, 32), divisor) < 1e-5   # two chunks, the second one masked
     import palu_kernels.palu_decode as pd
     monkeypatch.setattr(pd, "_dynamic_chunks", lambda *a: True)
     assert _rel(run(True), padded) < 1e-5
