@@ -91,9 +91,9 @@ class Run:
         print(json.dumps(row), flush=True)
         self.save()
 
-    def skip(self, what: str) -> None:
-        self.data["skipped"].append(what)
-        print(f"skipped (time limit): {what}", flush=True)
+    def skip(self, what: str, why: str = "time limit") -> None:
+        self.data["skipped"].append(what if why == "time limit" else f"{what} ({why})")
+        print(f"skipped ({why}): {what}", flush=True)
         self.save()
 
     def save(self) -> None:
@@ -263,6 +263,11 @@ def overrides(items: list[str], defaults: dict = DEFAULTS) -> dict:
     unknown = sorted(set(args["methods"]) - set(METHODS))
     if unknown:
         raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
+    # a budget row sizes its batch by the bytes a prompt took in the method's own rows
+    unmeasured = [m for m in args["budget_methods"] if m not in args["methods"]]
+    if unmeasured:
+        raise SystemExit(f"budget_methods {unmeasured} are not among methods={args['methods']}: a budget "
+                         "row's batch comes from the bytes per prompt its method's rows measured")
     return args
 
 
@@ -303,6 +308,8 @@ def main(argv: list[str]) -> None:
         for name in args["budget_methods"]:
             if name in per_prompt:
                 measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt[name])
+            else:
+                run.skip(f"budget {name}", "its rows measured no bytes per prompt")
     print(f"-> {run.path}", flush=True)
 
 
