@@ -92,6 +92,7 @@ def quantize_into(h: torch.Tensor, dst: QuantLatent, start: int | torch.Tensor,
             raise ValueError(f"per_row: start must be {B} integers (one a row) on {dst.data.device}; got "
                              f"{getattr(start, 'dtype', type(start).__name__)} "
                              f"{tuple(getattr(start, 'shape', ()))}")
+        start = start.contiguous()   # the kernel reads start[b] at offset b
     elif in_memory:
         if start.numel() != 1 or start.dtype.is_floating_point or start.device != dst.data.device:
             raise ValueError(f"start tensor must be one integer on {dst.data.device}; got "

@@ -423,7 +423,7 @@ def test_quantise_store_writes_each_row_at_its_own_slot(bits):
     dst = QuantLatent(torch.zeros(3, 2, 7, 64 // per, dtype=torch.uint8, device=DEV),
                       torch.zeros(3, 2, 7, dtype=torch.float16, device=DEV),
                       torch.zeros(3, 2, 7, dtype=torch.float16, device=DEV), bits, 64)
-    starts = torch.tensor([5, 0, 3], device=DEV)
+    starts = torch.tensor([[5, 1], [0, 1], [3, 1]], device=DEV)[:, 0]   # a strided view, as positions[:, 0]
     quantize_into(h, dst, starts, per_row=True)
     ref = quantize_latent(h, bits)
     for b, t in enumerate(starts.tolist()):
