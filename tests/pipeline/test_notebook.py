@@ -21,7 +21,8 @@ def test_results_notebook_shows_every_table_and_figure_with_intervals():
     # ... and of the second model's grid (results/gemma3-270m/)
     for folder in ("results", "results/gemma3-270m", "results/long-pilot", "results/rank-search",
                    "results/gemma3-270m-rank-search", "results/h200",
-                   "results/h200-zeroshot", "results/h200-long"):
+                   "results/h200-zeroshot", "results/h200-long", "results/gemma3-270m-search-budget",
+                   "results/h200-rank-search"):
         for table in sorted((ROOT / folder / "tables").glob("*.csv")):
             assert f"{folder}/tables/{table.name}" in shown, table
         for fig in sorted((ROOT / folder / "figures").glob("*.png")):
