@@ -264,7 +264,7 @@ def overrides(items: list[str], defaults: dict = DEFAULTS) -> dict:
     if unknown:
         raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
     # a budget row sizes its batch by the bytes a prompt took in the method's own rows
-    unmeasured = [m for m in args["budget_methods"] if m not in args["methods"]]
+    unmeasured = [m for m in args.get("budget_methods", []) if m not in args["methods"]]
     if unmeasured:
         raise SystemExit(f"budget_methods {unmeasured} are not among methods={args['methods']}: a budget "
                          "row's batch comes from the bytes per prompt its method's rows measured")
