@@ -29,15 +29,21 @@ def _grouped(x: torch.Tensor, group: int, axis: str) -> tuple[torch.Tensor, int]
     return x.reshape(B, H, n // group, group, d), 3
 
 
-def quantize(x: torch.Tensor, bits: int, group: int, axis: str = "channel") -> dict:
-    """x (B, H, n, d) -> {"codes": (B, H, n, d * bits / 8) uint8, "scale", "min"} where scale and
-    min are fp16 (B, H, n, d / group) for channel groups, (B, H, n / group, d) for token groups."""
+def _codes(x: torch.Tensor, bits: int, group: int, axis: str):
+    """(codes q as grouped uint8, fp16 scale, fp16 min, the group dim) of x, unpacked."""
     levels = 2 ** bits - 1
     g, dim = _grouped(x.float(), group, axis)
     lo, hi = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
     mn = lo.half()
     scale = ((hi - mn.float()) / levels).clamp_min(MIN_SCALE).half()
     q = torch.floor((g - mn.float()) / scale.float() + 0.5).clamp(0, levels).to(torch.uint8)
+    return q, scale, mn, dim
+
+
+def quantize(x: torch.Tensor, bits: int, group: int, axis: str = "channel") -> dict:
+    """x (B, H, n, d) -> {"codes": (B, H, n, d * bits / 8) uint8, "scale", "min"} where scale and
+    min are fp16 (B, H, n, d / group) for channel groups, (B, H, n / group, d) for token groups."""
+    q, scale, mn, dim = _codes(x, bits, group, axis)
     codes = pack_codes(q.reshape(x.shape), bits)
     return {"codes": codes, "scale": scale.squeeze(dim), "min": mn.squeeze(dim)}
 
@@ -47,12 +53,7 @@ def fake_quantize(x: torch.Tensor, bits: int, group: int, axis: str = "channel")
     (lossless for codes in [0, 2^bits)): the same scale, minimum and codes, the same float32
     products, cast to x's dtype. A decode step that codes a block as it falls due needs only
     this (`cache/quant_slots.py`), and the pack / unpack were ~12 of its ~35 kernels a call."""
-    levels = 2 ** bits - 1
-    g, dim = _grouped(x.float(), group, axis)
-    lo, hi = g.amin(dim, keepdim=True), g.amax(dim, keepdim=True)
-    mn = lo.half()
-    scale = ((hi - mn.float()) / levels).clamp_min(MIN_SCALE).half()
-    q = torch.floor((g - mn.float()) / scale.float() + 0.5).clamp(0, levels).to(torch.uint8)
+    q, scale, mn, _ = _codes(x, bits, group, axis)
     return (q.float() * scale.float() + mn.float()).reshape(x.shape).to(x.dtype)
 
 
