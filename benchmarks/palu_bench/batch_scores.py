@@ -41,10 +41,11 @@ CONFIGS = [("jlrd50-b4", 3, 0.5, 4), ("jlrd50-b16", 3, 0.5, 16), ("mlrd50-b4", 1
 # `python -m palu_bench.sass --smollm2` predicts (sm_90, triton 3.x, no GPU): 64-token tiles issue
 # ~0.56x the instructions a token of 32-token ones (10.9 against 19.3 at 4 bits), the padded block
 # ~0.93x again; 128-token tiles need 255 registers at 4 warps (8 warps: as 64 / 4)
-VARIANTS = [{}, {"pad_r": True}, {"block_t": 64}, {"pad_r": True, "block_t": 64},
-            {"pad_r": True, "block_t": 64, "stages": [3, 3]}, {"pad_r": True, "block_t": 128, "warps": [8, 4]},
-            {"block_t": 128, "warps": [8, 4]}, {"pad_r": True, "warps": [8, 4]},
-            {"pad_r": True, "block_t": 64, "fused": False}]
+# {} = the library's defaults (since session 44: `rebuild_options`); the others pin a choice. The
+# session-43 default (32-token tiles, 2 stages, the divisor rank block) stays for comparison.
+VARIANTS = [{}, {"block_t": 32, "stages": [2, 3], "pad_r": False}, {"block_t": 32, "stages": [2, 3], "pad_r": True},
+            {"stages": [2, 3]}, {"pad_r": False}, {"pad_r": False, "stages": [2, 3]},
+            {"block_t": 128, "warps": [8, 4]}, {"warps": [8, 4]}, {"fused": False}]
 CFG = {"warmup_ms": 10, "rep_ms": 20, "rotate_l2_multiple": 4, "rotate_max_copies": 16,
        "check_length": -1, "sdpa_backends": ["flash", "efficient", "cudnn"], "eager_max_length": 0}
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .launch_defaults import (_qproj_int_fits, programs_per_sm, qproj_int_default, qproj_options,
+from .launch_defaults import (_qproj_int_fits, rebuild_options, programs_per_sm, qproj_int_default, qproj_options,
                               qproj_pair_default)
 from .two_pass_scores import _scores
 
@@ -105,22 +105,24 @@ class ScoresPlan:
     qproj_stages: int | None
     qproj_warps: int | None
     block_t: int               # the two-pass tiles (splits hold whole tiles of both kernels)
+    stages: int                # the scores kernel's pipeline stages (`_scores`; the qproj kernels: qproj_stages)
     per_split: int
     splits: int
     block_r: int               # `_scores`' rank block (stored columns; masked where it overruns)
 
 
 def scores_plan(*, rope: bool, rows: int, contig: bool, kbits: int, rk: int, units: int,
-                units_per_group: int, T: int, B: int, dev, splits: int | None, block_t: int,
+                units_per_group: int, T: int, B: int, dev, splits: int | None, block_t: int | None,
                 block_r: int | None, qproj: bool | None, qproj_int: bool | None,
                 qproj_pair: bool | None, qproj_block_t: int | None, qproj_stages: int | None,
-                qproj_warps: int | None, pad_r: bool | None = None) -> ScoresPlan:
+                qproj_warps: int | None, pad_r: bool | None = None,
+                stages: int | None = None) -> ScoresPlan:
     """The scores kernel of a two-pass step and its launch shape; the caller's explicit choices
     are checked (an impossible one is an error), None ones take the measured defaults. `pad_r`:
     the rebuild kernel's rank block is the power of two covering the stored columns (up to
-    `block_r`), its overrun masked, instead of the largest power of two dividing them (None /
-    False: the latter, the measured path; the padded block awaits its timing at a batch,
-    benchmarks/palu_bench/batch_scores.py)."""
+    `block_r`), its overrun masked, instead of the largest power of two dividing them (False);
+    `block_t`, `stages`, `pad_r` None: the rebuild kernel's measured defaults (`rebuild_options`:
+    64-token tiles up to key rank 128) and 32-token tiles beside the folded-query kernels."""
     rkp = rk // (1 if kbits == 16 else 8 // kbits)
     if qproj is None:   # folded-query scores: MHA, contiguous positions, a small rank
         qproj = rope and rows == 1 and contig and rk <= 256 and rkp & (rkp - 1) == 0
@@ -140,6 +142,10 @@ def scores_plan(*, rope: bool, rows: int, contig: bool, kbits: int, rk: int, uni
     if qproj_int and not qproj:
         raise ValueError("qproj_int needs the folded-query kernel (RoPE, one query per KV head, "
                          "contiguous positions, key rank <= 256)")
+    if not qproj:
+        block_t, stages, pad_r = rebuild_options(kbits, rk, block_t, stages, pad_r)
+    else:
+        block_t, stages = block_t or 32, stages or 2
     if qproj:
         if not (rope and rows == 1 and contig):
             raise ValueError("qproj=True needs RoPE, one query per KV head and contiguous positions")
@@ -158,5 +164,5 @@ def scores_plan(*, rope: bool, rows: int, contig: bool, kbits: int, rk: int, uni
     if block_r is None:   # fp16 RoPE keys: B_k of rank <= 256 stays in registers (measured)
         block_r = 256 if rope and kbits == 16 else 128
     kernel = "qproj_pair" if qproj_pair else "qproj" if qproj else "rebuild"
-    return ScoresPlan(kernel, bool(qproj_int), qproj_block_t, qproj_stages, qproj_warps, block_t,
+    return ScoresPlan(kernel, bool(qproj_int), qproj_block_t, qproj_stages, qproj_warps, block_t, stages,
                       per_split, splits, _padded_block(rkp, block_r) if pad_r else _pow2_block(rkp, block_r))

@@ -23,6 +23,14 @@ QPROJ_TILES = {                                  # (token tile, pipeline stages,
     "packed_small_int8": (32, 3, 4),             # key rank < 128, int8 dots
     "packed_small_int8_long": (64, 3, 4),        # ... over splits of >= QPROJ_LONG_TILE_MIN_TOKENS
 }
+# The key-rebuild scores kernel `_scores` (GQA / J-LRD RoPE layers): (token tile, pipeline stages,
+# padded rank block) for key ranks up to REBUILD_LONG_TILE_MAX_RANK, else the short tile. Measured
+# on the H100 (session 44, `python -m palu_bench.batch_scores`, SmolLM2 J-LRD-50 % rank 96 and M-LRD,
+# batch 64 / 128 x 4K): 64-token tiles 0.77x the time of 32 (fp16 0.64x), the padded block -4 % at
+# 4 bits, 3 stages -8 % for packed keys (+8 % for fp16). Llama-2 G-LRD-4 (rank 256, fp16) ran
+# 1.4x slower on 64-token tiles (session 2 tune), hence the rank bound.
+REBUILD_TILES = {"short": (32, 2, False), "long_fp16": (64, 2, False), "long_packed": (64, 3, True)}
+REBUILD_LONG_TILE_MAX_RANK = 128
 QPROJ_PAIR_MIN_RANK = 256                        # fp16 G-LRD keys of this rank: two heads per program
 QPROJ_LONG_TILE_MIN_TOKENS = 1024                # tokens per split (32-token tiles' splits)
 QPROJ_INT_MIN_TOKENS_AT_128_COLUMNS = 1408       # tokens per split for int8 dots at rank 256
@@ -108,6 +116,17 @@ def one_pass_tiles(kbits: int, vbits: int, rk: int, rv: int, programs: int, sms:
              and programs >= 2 * sms)
     d = ONE_PASS["tiles_small_packed"] if small else ONE_PASS["tiles"]
     return (block_t or d[0], warps or d[1])
+
+
+def rebuild_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,
+                    pad_r: bool | None = None) -> tuple[int, int, bool]:
+    """(token tile, pipeline stages, padded rank block) of the key-rebuild scores kernel; None =
+    the measured default (`REBUILD_TILES`)."""
+    if rk > REBUILD_LONG_TILE_MAX_RANK:
+        d = REBUILD_TILES["short"]
+    else:
+        d = REBUILD_TILES["long_fp16" if kbits == 16 else "long_packed"]
+    return (block_t or d[0], stages or d[1], d[2] if pad_r is None else pad_r)
 
 
 def qproj_options(kbits: int, rk: int, block_t: int | None = None, stages: int | None = None,

@@ -85,8 +85,8 @@ def _run_fused(q, kdata, kscale, kzero, kbits, vdata, vscale, vzero, vbits, leng
 def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None,
                 positions=None, position_offset=None, inv_freq=None, lengths=None,
                 splits: int | None = None,
-                block_t: int = 32, block_r: int | None = None, block_rv: int = 64,
-                stages: tuple[int, int] = (2, 3), warps: tuple[int, int] = (4, 4),
+                block_t: int | None = None, block_r: int | None = None, block_rv: int = 64,
+                stages: tuple[int, int] | None = None, warps: tuple[int, int] = (4, 4),
                 fused: bool | None = None, fused_block_t: int | None = None, fused_stages: int | None = None,
                 fused_warps: int | None = None, fused_maxnreg: int | None = None,
                 fused_int_keys: bool | None = None, qproj: bool | None = None,
@@ -106,7 +106,8 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
     MHA with contiguous positions and key rank <= 256) and, unless `fused=False` or the value
     rank is too large, accumulate values with the one-pass kernel reading those scores
     (`qproj_*=None`: the measured tiles of `qproj_options`; `block_t`, `block_r`, `stages` and
-    `warps` are those of `_scores` and `_values`, tuned in benchmarks/NOTES.md; `qproj_int`: packed
+    `warps` are those of `_scores` and `_values`, tuned in benchmarks/NOTES.md, None: the measured
+    defaults of `rebuild_options` (`_scores`) and 3 stages (`_values`); `qproj_int`: packed
     keys through int8 tensor-core dots in the folded-query kernel, None: where measured faster,
     `qproj_int_default`; `qproj_pair`: fp16 latents two heads per program, `_scores_qproj_pair`,
     None: where measured faster, `qproj_pair_default`);
@@ -149,8 +150,9 @@ def palu_decode(q, hk, hv, *, scale: float, n_rep: int, group_size: int, bk=None
                        units_per_group=units_per_group, T=T, B=B, dev=dev, splits=splits,
                        block_t=block_t, block_r=block_r, qproj=qproj, qproj_int=qproj_int,
                        qproj_pair=qproj_pair, qproj_block_t=qproj_block_t, qproj_stages=qproj_stages,
-                       qproj_warps=qproj_warps, pad_r=pad_r)
+                       qproj_warps=qproj_warps, pad_r=pad_r, stages=stages[0] if stages else None)
     splits_arg, splits, per_split, block_t = splits, plan.splits, plan.per_split, plan.block_t
+    stages = (plan.stages, stages[1] if stages else 3)
     M = max(16, triton.next_power_of_2(rows))
     S = None if hopper else torch.empty(B, H, T, device=dev, dtype=torch.float32)   # Hopper: its own
     ks = kscale if kbits != 16 else kdata

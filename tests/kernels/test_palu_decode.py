@@ -122,12 +122,31 @@ def test_padded_rank_block_plan():
     kw = dict(rope=True, rows=3, contig=True, kbits=4, units=3, units_per_group=3, T=4096, B=64,
               dev=torch.device("cpu"), splits=None, block_t=32, qproj=None, qproj_int=None,
               qproj_pair=None, qproj_block_t=None, qproj_stages=None, qproj_warps=None)
-    assert scores_plan(rk=96, block_r=None, **kw).block_r == 16          # the divisor block
+    assert scores_plan(rk=96, block_r=None, pad_r=False, **kw).block_r == 16   # the divisor block
     assert scores_plan(rk=96, block_r=None, pad_r=True, **kw).block_r == 64
     assert scores_plan(rk=96, block_r=32, pad_r=True, **kw).block_r == 32   # two chunks, one masked
     assert scores_plan(rk=512, block_r=None, pad_r=True, **kw).block_r == 128
     with pytest.raises(ValueError, match="block_r=24"):
         scores_plan(rk=96, block_r=24, pad_r=True, **kw)
+    # not told: the measured defaults (64-token tiles, 3 stages, the padded block for packed
+    # keys of rank <= 128; 32-token tiles above), what the caller says wins
+    kw.pop("block_t")
+    plan = scores_plan(rk=96, block_r=None, block_t=None, **kw)
+    assert (plan.block_t, plan.stages, plan.block_r) == (64, 3, 64)
+    plan = scores_plan(rk=512, block_r=None, block_t=None, **kw)
+    assert (plan.block_t, plan.stages, plan.block_r) == (32, 2, 128)
+    plan = scores_plan(rk=96, block_r=None, block_t=32, stages=2, pad_r=False, **kw)
+    assert (plan.block_t, plan.stages, plan.block_r) == (32, 2, 16)
+
+
+def test_rebuild_defaults_follow_the_measurements():
+    # benchmarks/NOTES.md session 44 (SmolLM2 J-LRD / M-LRD, batch 64 / 128 x 4K) and session 2
+    # (Llama-2 G-LRD-4 rank 256: 64-token tiles slower)
+    from palu_kernels.launch_defaults import rebuild_options
+    assert rebuild_options(4, 96) == (64, 3, True)
+    assert rebuild_options(16, 96) == (64, 2, False)
+    assert rebuild_options(16, 256) == (32, 2, False) and rebuild_options(4, 256) == (32, 2, False)
+    assert rebuild_options(4, 96, block_t=32, stages=2, pad_r=False) == (32, 2, False)
 
 
 @pytest.mark.parametrize("shared, looped", [(655872, True), (82432, False)])
