@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import platform
 import resource
 import shutil
@@ -432,8 +433,33 @@ def load_config(overrides: list[str] | None = None) -> dict:
     return cfg
 
 
+def merge_partial(out: str, partial: str, complete: str) -> dict:
+    """One result from a run stopped at a call's time limit (its JSON lines, `partial`) and a
+    later run on the same machine that measured the rest (`complete`, whose metadata the merged
+    file takes): the partial rows first, so the scale table's newest-row rule keeps the later
+    run's where both measured a step. Refuses rows of a shape the second run does not describe."""
+    from palu.artifacts import read_json, write_json
+    rest = read_json(complete)
+    lines = [json.loads(line) for line in Path(partial).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{partial}: no rows")
+    stray = sorted({r["shape"] for r in lines} - set(rest["shapes"]))
+    if stray:
+        raise ValueError(f"{partial} measured shapes {stray} that {complete} does not describe")
+    merged = {**rest, "rows": lines + rest["rows"],
+              "merged": {"partial": Path(partial).name, "complete": Path(complete).name,
+                         "note": "rows of two runs on one machine: a run stopped at its time limit "
+                                 "(JSON lines), then one that measured the rest; metadata and "
+                                 "config of the second"}}
+    write_json(out, merged)
+    return merged
+
+
 if __name__ == "__main__":
     import sys
+    if sys.argv[1:2] == ["merge"]:   # python -m palu_bench.scale merge OUT PARTIAL.jsonl COMPLETE.json
+        merge_partial(*sys.argv[2:5])
+        sys.exit(0)
     args = sys.argv[2:]
     only = [a.split("=", 1)[1] for a in args if a.startswith("shape=")]
     cfg = load_config([a for a in args if not a.startswith("shape=")])

@@ -120,3 +120,23 @@ def test_the_table_takes_each_step_from_its_newest_run(tmp_path):
     rates.ok = rates.ok[rates.ok["step"] != "zeroshot_batched"]   # batched grid, nothing batched measured
     assert rates.suite_rate("zeroshot", "fp16", {"zeroshot": {"batch_size": 8}})[0] == 50.0
     assert any("one-at-a-time" in n for n in rates.notes)
+
+
+def test_merge_partial_keeps_the_stopped_runs_rows_and_the_later_runs_metadata(tmp_path):
+    # a run stopped at a call's time limit leaves only its JSON lines; the later run of the rest
+    # gives the metadata, and its rows come last (the table keeps the newest row of a step)
+    from palu.artifacts import read_json, write_json
+    from palu_bench.scale import merge_partial
+    row = lambda step, variant, s: {"shape": "llama2-7b", "step": step, "variant": variant, "seconds": s}  # noqa: E731
+    partial = tmp_path / "a.json.partial.jsonl"
+    partial.write_text("\n".join(json.dumps(r) for r in [row("gram", "", 4.0), row("install", "fp16", 0.1)]) + "\n")
+    complete = tmp_path / "b.json"
+    write_json(complete, {"device": "H100", "rows": [row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
+                          "config": {}, "created": "2026-12-06T15:14:11Z"})
+    merged = merge_partial(str(tmp_path / "m.json"), str(partial), str(complete))
+    assert [r["seconds"] for r in merged["rows"]] == [4.0, 0.1, 3.9]
+    assert read_json(tmp_path / "m.json")["device"] == "H100"
+    partial.write_text(json.dumps({**row("gram", "", 1.0), "shape": "llama3-8b"}) + "\n")
+    with pytest.raises(ValueError, match="llama3-8b"):
+        merge_partial(str(tmp_path / "n.json"), str(partial), str(complete))
+    assert not (tmp_path / "n.json").exists()

@@ -240,7 +240,8 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
         sub = frame[frame["shape"] == shape_name].copy()
         cfg = run["config"]
         made = sorted(set(sub["run"]))
-        out += [f"## {shape_name} on {run['device']} ({', '.join(made)}; torch {run['versions']['torch']}, "
+        devices = sorted(set(sub["device"]))
+        out += [f"## {shape_name} on {' and '.join(devices)} ({', '.join(made)}; torch {run['versions']['torch']}, "
                 f"transformers {run['versions']['transformers']})", "",
                 f"Weights {run['shapes'][shape_name]['weight_bytes'] / 2**30:.1f} GiB; Gram {cfg['gram_windows']}, "
                 f"Fisher {cfg['fisher_windows']}, perplexity {cfg['eval_windows']} windows of {cfg['seqlen']}; "
@@ -254,10 +255,14 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
         if len(made) > 1:
             out[-1] += (f" Rows from {len(made)} runs (a later partial run measured some steps again): "
                         "each row is its step's newest measurement, `run` says which.")
+        if len(devices) > 1:
+            out[-1] += (f" The runs used {len(devices)} kinds of GPU (`device` says which): the projection "
+                        "below prices each step at the rate of the GPU that measured it last.")
         out.append("")
         sub["step"] = sub["step"] + sub["variant"].map(lambda v: f" {v}" if v else "")
         sub["error"] = sub["error"].fillna("")
-        cols = ["step", "seconds", "tokens_per_s", "job_gpu_gib", "error"] + (["run"] if len(made) > 1 else [])
+        cols = (["step", "seconds", "tokens_per_s", "job_gpu_gib", "error"] + (["run"] if len(made) > 1 else [])
+                + (["device"] if len(devices) > 1 else []))
         shown = sub[cols].astype(object).where(sub[cols].notna(), None)
         out.append(shown.rename(columns={"tokens_per_s": "tokens/s", "job_gpu_gib": "job GPU GiB"})
                    .to_markdown(index=False, floatfmt=".2f", missingval=""))
