@@ -101,8 +101,10 @@ def ruler_heatmap(paths: list[str], out: str | Path, bins: int = 5, columns: int
     runs = _ruler_runs([read_json(p) for p in paths])
     cols = min(columns, len(runs))
     rows = -(-len(runs) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 0.8, 2.6 * rows + 0.8), squeeze=False,
-                             sharey=True)
+    # constrained layout: wrapped panel titles and the colour bar get their own room (with a fixed
+    # grid, a two-line title ran into the x labels of the panel above)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 0.8, 2.9 * rows + 0.6), squeeze=False,
+                             sharey=True, layout="constrained")
     edges = np.linspace(0, 1, bins + 1)
     labels = [f"{edges[i]:.1f}-{edges[i + 1]:.1f}" for i in range(bins)]
     im = None
@@ -124,11 +126,12 @@ def ruler_heatmap(paths: list[str], out: str | Path, bins: int = 5, columns: int
         ax.set_title(textwrap.fill(r["summary"]["method"].split("/")[0], 26), fontsize=7)
         if k % cols == 0:
             ax.set_ylabel("needle depth")
-        ax.set_xlabel("prompt + answer tokens", fontsize=7)
+        if k + cols >= len(runs):   # the lowest panel of its column
+            ax.set_xlabel("prompt + answer tokens", fontsize=7)
     for ax in list(axes.flat)[len(runs):]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="share of needle values found")
-    fig.suptitle("RULER-style needles (niah_*) through each cache, by depth and length", fontsize=9, y=1.03)
+    fig.suptitle("RULER-style needles (niah_*) through each cache, by depth and length", fontsize=9)
     _save(fig, out)
 
 
