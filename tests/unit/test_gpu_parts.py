@@ -2,6 +2,7 @@
 what arrives is what left, part by part and whole, and nothing lands outside the root."""
 import io
 import json
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -119,3 +120,32 @@ def test_auto_parts_fill_what_a_call_carries_beside_the_checkout(tmp_path):
     assert gpu_parts.auto_part_mib(root, limit=64.0) == 59.0        # 64 - 4.0x - 0.5 - a block, by 0.5
     with pytest.raises(SystemExit, match="too little for a part"):
         gpu_parts.auto_part_mib(root, limit=5.0)
+
+
+def test_gpu_lean_takes_folders_out_of_the_index_and_puts_them_back(tmp_path):
+    # workflow/gpu_lean.sh in a scratch repository: `on` leaves the KEEP folder and every file on
+    # disk, takes the others out of what travels (tracked + untracked-not-ignored); `off` restores
+    # the index as HEAD has it and the exclude file as it was
+    import shutil
+    script = Path(__file__).resolve().parents[2] / "workflow" / "gpu_lean.sh"
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True,  # noqa: E731
+                                    capture_output=True, text=True).stdout
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    for rel in ("results/a/x.json", "results/keep/y.json", "notebooks/n.ipynb", "src/m.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    git("add", "-A"), git("commit", "-qm", "init")
+    exclude = (tmp_path / ".git/info/exclude").read_text()
+    travels = lambda: sorted(git("ls-files", "-co", "--exclude-standard").split())  # noqa: E731
+    run = lambda *a: subprocess.run(["bash", str(script), *a], cwd=tmp_path, capture_output=True, text=True)  # noqa: E731
+    assert run("on", "results/nope").returncode != 0          # a KEEP folder that is not there
+    assert run("on", "results/keep").returncode == 0
+    assert travels() == ["results/keep/y.json", "src/m.py"]
+    assert (tmp_path / "results/a/x.json").read_text() == "results/a/x.json"
+    assert run("on").returncode != 0                           # twice: refused
+    assert run("off").returncode == 0
+    assert travels() == ["notebooks/n.ipynb", "results/a/x.json", "results/keep/y.json", "src/m.py"]
+    assert git("status", "--short") == "" and (tmp_path / ".git/info/exclude").read_text() == exclude
+    assert run("off").returncode != 0
+    shutil.rmtree(tmp_path / ".git")
