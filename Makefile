@@ -59,7 +59,7 @@ run: $(STAMP)
 # Every lane that can run here: unit, integration (the embedded model), pipeline (the DAG),
 # kernels (Triton interpreter); the gpu lane skips without a CUDA device.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25   # the slowest tests, to keep the lane inside its 15 min
 
 # The cluster lane: a real single-node SLURM cluster (Debian's slurmctld / slurmd and munge,
 # installed if missing: needs root), the small grid through workflow/profiles/slurm against a
