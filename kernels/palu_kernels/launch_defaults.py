@@ -26,7 +26,7 @@ QPROJ_TILES = {                                  # (token tile, pipeline stages,
 # The key-rebuild scores kernel `_scores` (GQA / J-LRD RoPE layers): (token tile, pipeline stages,
 # padded rank block) for key ranks up to REBUILD_LONG_TILE_MAX_RANK, else the short tile. Measured
 # on the H100 (session 44, `python -m palu_bench.batch_scores`, SmolLM2 J-LRD-50 % rank 96 and M-LRD,
-# batch 64 / 128 x 4K): 64-token tiles 0.77x the time of 32 (fp16 0.64x), the padded block -4 % at
+# batch 64 / 128 x 4K): 64-token tiles 0.71-0.83x the time of 32 (fp16 0.64-0.67x), the padded block 0-4 % at
 # 4 bits, 3 stages -8 % for packed keys (+8 % for fp16). Llama-2 G-LRD-4 (rank 256, fp16) ran
 # 1.4x slower on 64-token tiles (session 2 tune), hence the rank bound.
 REBUILD_TILES = {"short": (32, 2, False), "long_fp16": (64, 2, False), "long_packed": (64, 3, True)}
