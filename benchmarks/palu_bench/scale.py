@@ -11,6 +11,8 @@ library functions its entry points call, on windows of random token ids:
     decompose     `decompose_model` at each group size (M-LRD, G-LRD, J-LRD), checkpoint saved
     kvquant       `capture_activations` + `fit_from_activations` (the kvquant_capture / fit steps)
     ppl           `perplexity` of `eval_windows` windows through every cache method
+    ppl_batched   the same over `eval_batch.windows` windows, `eval_batch.batch` a forward (as
+                  the evaluate step runs them with `data.batch_size`: equal lengths, no padding)
     zeroshot      lm-eval's log-likelihood requests as `eval.zeroshot.method_lm` runs them: one
                   prefill of `zeroshot.length` tokens into a fresh cache per request
     zeroshot_batched  the same, `zeroshot.batch` requests per forward (as `zeroshot.batch_size`
@@ -50,9 +52,9 @@ import torch
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # what `steps` may name; `gram`, the checkpoint the Palu methods read and KVQuant's fit run
 # whenever a method's evaluation needs them
-STEPS = ("fisher", "ranks", "decompose", "kvquant", "ppl", "zeroshot", "zeroshot_batched",
+STEPS = ("fisher", "ranks", "decompose", "kvquant", "ppl", "ppl_batched", "zeroshot", "zeroshot_batched",
          "longcontext", "longcontext_batched")
-EVAL_STEPS = ("ppl", "zeroshot", "zeroshot_batched", "longcontext", "longcontext_batched")
+EVAL_STEPS = ("ppl", "ppl_batched", "zeroshot", "zeroshot_batched", "longcontext", "longcontext_batched")
 
 
 class Steps:
@@ -262,6 +264,8 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
 
     ckpt = checkpoints.get(palu_g)
     eval_w = _windows(cfg["eval_windows"], L, vocab, 3)
+    eb = cfg.get("eval_batch") or {}
+    eval_wb = _windows(eb["windows"], L, vocab, 7) if eb else None
     zs, lc = cfg["zeroshot"], cfg["longcontext"]
     for conf in (cfg["methods"] if evaluating else []):
         label = _label(conf)
@@ -282,6 +286,12 @@ def run_shape(name: str, cfg: dict, scratch: Path, log, partial: Path | None = N
             return r, {"ppl": r["ppl"], "cache_total_bytes": r["cache_nbytes"]["total"]}
         if want("ppl"):
             S.run("ppl", ppl, variant=label, tokens=eval_w.numel())
+        if eb and want("ppl_batched"):
+            def ppl_batched():
+                r = perplexity(m, eval_wb, batch_size=eb["batch"], progress=False,
+                               make_cache=lambda: method.make_cache(m))
+                return r, {"ppl": r["ppl"], "batch": eb["batch"]}
+            S.run("ppl_batched", ppl_batched, variant=label, tokens=eval_wb.numel())
 
         def requests(count: int, batch: int, seed: int):
             ids = _windows(count, zs["length"], vocab, seed).to(device)

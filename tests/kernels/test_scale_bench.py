@@ -18,7 +18,8 @@ def _tiny_config(tmp_path):
                gram_windows=2, fisher_windows=1, eval_windows=1, rank_multiple=8,
                group_sizes=[1, "kv_heads"], probe_group_size="kv_heads", palu_group_size="kv_heads",
                kvquant={"windows": 1, "tokens_per_window": 8, "bits": 3, "outlier_fraction": 0.01},
-               zeroshot={"requests": 2, "length": 12, "batch": 2, "batch_requests": 3})
+               zeroshot={"requests": 2, "length": 12, "batch": 2, "batch_requests": 3},
+               eval_batch={"windows": 5, "batch": 3})
     cfg["longcontext"] = {**cfg["longcontext"], "context": 64, "new_tokens": 3, "batch": 2, "batch_context": 40}
     return cfg
 
@@ -41,6 +42,9 @@ def test_every_step_runs_at_a_tiny_shape(tmp_path):
     assert len(generated) == 6 and all(r["new_tokens"] == 3 for r in generated)
     batched = [r for r in rows if r["step"] == "longcontext_batched"]   # every method, 2 x (40 + 3)
     assert len(batched) == 10 and all(r["tokens"] == 86 and r["cache_bytes_per_prompt"] > 0 for r in batched)
+    # perplexity windows 3 a forward, as the evaluate step runs them with data.batch_size
+    ppl_b = [r for r in rows if r["step"] == "ppl_batched"]
+    assert {r["variant"] for r in ppl_b} == methods and all(r["batch"] == 3 and r["tokens"] == 5 * 48 for r in ppl_b)
     # requests of 12 tokens, 2 a forward: the last batch holds the third alone
     assert all(r["requests"] == 3 and r["batch"] == 2 for r in rows if r["step"] == "zeroshot_batched")
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))

@@ -39,6 +39,8 @@ ASSUMPTIONS = {
                                    "mean 2536 tokens"),
     "tokens:qasper": (319 * 4000, "qasper: 319 questions, papers cut to 4000 tokens"),
 }
+# the grid section whose `batch_size` batches a measured step (the others: the step's own name)
+SECTION = {"ppl": "eval"}
 STEP_ORDER = ["calibrate", "fisher", "ranks_probed", "decompose", "kvquant_capture", "fit_kvquant",
               "evaluate", "zeroshot", "longcontext", "cache_memory_run"]
 
@@ -159,8 +161,9 @@ class Rates:
 
     def suite_rate(self, step: str, variant: str, grid: dict) -> tuple[float, str]:
         """The rate a suite's job runs at: `step`_batched where the grid batches it
-        (`<step>.batch_size` other than 1) and it was measured, else one at a time (noted)."""
-        if (grid.get(step) or {}).get("batch_size", 1) != 1:
+        (`<section>.batch_size` other than 1; perplexity's section is `eval`) and it was
+        measured, else one at a time (noted)."""
+        if (grid.get(SECTION.get(step, step)) or {}).get("batch_size", 1) != 1:
             try:
                 return self.rate(f"{step}_batched", variant)
             except KeyError:
@@ -199,7 +202,7 @@ def job_seconds(job: dict, rates: Rates, grid: dict) -> float | None:
     method = method_label(w["run"])
     start = load + (rates.seconds("install", method) if method in set(rates.ok["variant"]) else 0.0)
     if rule == "evaluate":
-        return start + ASSUMPTIONS[f"tokens:{w['corpus']}"][0] / rates.rate("ppl", method)[0]
+        return start + ASSUMPTIONS[f"tokens:{w['corpus']}"][0] / rates.suite_rate("ppl", method, grid)[0]
     if rule == "zeroshot":
         rate, _ = rates.suite_rate("zeroshot", method, grid)
         req = rates.ok[rates.ok["step"].isin(["zeroshot", "zeroshot_batched"])]
@@ -247,6 +250,9 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
                 f"Fisher {cfg['fisher_windows']}, perplexity {cfg['eval_windows']} windows of {cfg['seqlen']}; "
                 f"long context {cfg['longcontext']['context']} + {cfg['longcontext']['new_tokens']} tokens; "
                 f"zero-shot {cfg['zeroshot']['requests']} requests of {cfg['zeroshot']['length']} tokens."]
+        if cfg.get("eval_batch"):
+            out[-1] += (f" Batched perplexity: {cfg['eval_batch']['windows']} windows, "
+                        f"{cfg['eval_batch']['batch']} a forward.")
         if "batch" in cfg["zeroshot"]:
             out[-1] += (f" Batched: zero-shot {cfg['zeroshot']['batch_requests']} requests, "
                         f"{cfg['zeroshot']['batch']} a forward; long context {cfg['longcontext']['batch']} prompts "
@@ -280,18 +286,33 @@ def scale_markdown(frame: pd.DataFrame, runs: dict, proj: pd.DataFrame, notes: l
             "", f"**Total: {total:.1f} GPU-hours** ({proj['jobs'].sum()} GPU jobs).", "", "Assumptions:"]
     out += [f"- {text} ({value:,})" for value, text in ASSUMPTIONS.values()]
     g = yaml.safe_load(Path(grid).read_text())
-    for suite in ("zeroshot", "longcontext"):
-        size = (g.get(suite) or {}).get("batch_size", 1)
-        out.append(f"- {suite} jobs: the grid's `{suite}.batch_size` is {size!r}, so "
-                   + ("one request / prompt at a time" if size == 1 else
-                      f"at the `{suite}_batched` rates (a fixed batch: `auto` searches for the largest that "
-                      "fits, so this is a bound from above where it fits more)"))
+    for job, step in (("evaluate", "ppl"), ("zeroshot", "zeroshot"), ("longcontext", "longcontext")):
+        section = SECTION.get(step, step)
+        size = (g.get(section) or {}).get("batch_size", 1)
+        out.append(f"- {job} jobs: the grid's `{section}.batch_size` is {size!r}, so "
+                   + ("one window / request / prompt at a time" if size == 1 else
+                      f"at the `{step}_batched` rates where measured, else one at a time (listed below; a "
+                      "fixed batch: `auto` searches for the largest that fits, and another fixed size runs "
+                      "at another rate: a bound, not a measurement)"))
     out += ["- every Palu run at the rates of the G-LRD-4 checkpoint the benchmark evaluates "
             "(M-LRD rebuilds keys faster, J-LRD slower); probed ranks at probe_select's G-LRD-4 time",
             "- loading: the measured `load` (from the page cache); a cold read from a cluster file "
             "system adds ~weights / its bandwidth"]
-    out += [f"- {n}" for n in notes]
+    out += [f"- {n}" for n in _grouped(notes)]
     return "\n".join(out) + "\n"
+
+
+def _grouped(notes: list[str]) -> list[str]:
+    """The one-at-a-time fallbacks as one line a step (variants listed), the other notes as given."""
+    alone: dict[str, list[str]] = {}
+    rest = []
+    for n in notes:
+        if m := re.match(r"^(\w+) (\S+): at the one-at-a-time rate \(no batched rate measured\)$", n):
+            alone.setdefault(m.group(1), []).append(m.group(2))
+        else:
+            rest.append(n)
+    return [f"{step}: at the one-at-a-time rate (no batched rate measured) for {', '.join(v)}"
+            for step, v in alone.items()] + rest
 
 
 def hours_figure(proj: pd.DataFrame, grid: str, shape: str, path: str) -> None:
