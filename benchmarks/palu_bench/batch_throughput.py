@@ -61,6 +61,9 @@ METHODS = {
     # with PALU_STATIC_DECODE=all a padded batch also prefills right-padded (opt-in until checked)
     "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},
     "kivi-b4-graph": {"name": "kivi", "bits": 4, "decode": "all"},
+    # their one-pass prefill through the masked view (PALU_BANDED_PREFILL=0; banded since session 45)
+    "kivi-b2-graph-masked": {"name": "kivi", "bits": 2, "decode": "all", "prefill": "0"},
+    "kivi-b4-graph-masked": {"name": "kivi", "bits": 4, "decode": "all", "prefill": "0"},
     "kivi_snapkv-graph": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5, "decode": "all"},
     "atom-b4-graph": {"name": "atom", "bits": 4, "decode": "all"},
     "turboquant-b3-graph": {"name": "turboquant", "bits": 3, "decode": "all"},
@@ -187,7 +190,7 @@ def _checkpoint(model, windows, folder: str) -> str:
 
 def _method(model, name, ckpt):
     from palu.methods import build_method
-    conf = {k: v for k, v in METHODS[name].items() if k != "decode"}
+    conf = {k: v for k, v in METHODS[name].items() if k not in ("decode", "prefill")}
     if conf["name"].startswith("palu"):
         conf["checkpoint"] = ckpt
     method = build_method(conf)
@@ -201,6 +204,7 @@ def measure_method(run, model, tok, name, ckpt, prompts, args):
     device, new = args["device"], args["new_tokens"]
     method, m = _method(model, name, ckpt)
     os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
+    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
     ones = None
     for batch in args["method_batches"].get(name, args["batches"]):
         if run.left() < 30:
@@ -235,6 +239,7 @@ def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
         return
     method, m = _method(model, name, ckpt)
     os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
+    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
     chosen = prompts[:min(batch, len(prompts))]
     _peak_reset(device)
     try:

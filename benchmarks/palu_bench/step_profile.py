@@ -115,6 +115,7 @@ def measure(model, tok, name, ckpt, prompts, args) -> dict:
     device, steps = args["device"], args["steps"]
     method, m = _method(model, name, ckpt)
     os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
+    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
     _answer(m, tok, method, prompts, 2 + steps, device)               # warm-up: compile, tune
     walls = {1: [], 2: [], 2 + steps: []}
     for _ in range(args["repeats"]):

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..cache.quant_cache import QuantKVCache
 from ..models.adapters import FamilyAdapter, Geometry, layer_window
+from . import banded_prefill
 from .full_heads import FullHeads
 from .rope import apply_rope
 
@@ -46,7 +47,14 @@ class QuantKVAttention(FullHeads):
         past = cache.get_seq_length(self.layer_idx)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device)[None]
-        view = cache.step(self.layer_idx, k, v, position_ids, attention_mask, self.sliding_window)
+        view = cache.step(self.layer_idx, k, v, position_ids, attention_mask, self.sliding_window,
+                          banded=not pre_rope)
+        if isinstance(view, (banded_prefill.QuantKVBand, banded_prefill.RowBands)):
+            # a prefill: causal + a band, no dense mask (a left-padded batch: row by row)
+            attend = banded_prefill.attend if isinstance(view, banded_prefill.QuantKVBand) else banded_prefill.attend_rows
+            out = attend(q, view, self.softmax_scale())
+            self._after_prefill(cache, q, k, v, past, T)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
         keys = view.keys
         if self.geom.rope and pre_rope:
             kcos, ksin = self._rotary[0](x, view.key_positions.long())
@@ -60,10 +68,13 @@ class QuantKVAttention(FullHeads):
             gqa = False
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=view.mask, scale=self.softmax_scale(),
                                              enable_gqa=gqa)
+        self._after_prefill(cache, q, k, v, past, T)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
+
+    def _after_prefill(self, cache, q, k, v, past: int, T: int) -> None:
         eviction = getattr(self.method, "eviction", None)     # a composition with SnapKV
         if eviction is not None and past == 0 and T > 1:
             self._evict(eviction, cache.layers[self.layer_idx], q, k, v, T)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), None
 
     def _evict(self, eviction, layer, q, k, v, T: int) -> None:
         """After the prefill, hold only the tokens `eviction` keeps. A left-padded batch's rows

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..attention import banded_prefill
 from . import quant_dense
 from .protocol import RowEdits, left_pads, to_device
 
@@ -244,9 +245,11 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         return self.counts_tokens or self.evicts
 
     def step(self, keys, values, positions, attention_mask, window: int | None = None,
-             owner: str | None = None) -> QuantKVView:
+             owner: str | None = None, banded: bool = False) -> QuantKVView | banded_prefill.QuantKVBand:
         """Store this step's keys and values (B, H, T, d) at `positions` ((B or 1, T)); return
-        what its queries see (see the module docstring). `window`: the layer's sliding window."""
+        what its queries see (see the module docstring). `window`: the layer's sliding window.
+        `banded`: the caller takes a prefill as both forms of every token
+        (`attention/banded_prefill.py`) where that applies."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         B, _, T, _ = keys.shape
@@ -261,10 +264,19 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         if self.rows is None and self.keeps_rows_apart and hides_causal_keys(attention_mask, n0, T, window):
             self._split_rows(attention_mask, B, T, n0, window, owner)
         if self.rows is not None:
+            if banded and self.width == 0:
+                bands = self._band_rows(keys, values, owner)
+                if bands is not None:
+                    return bands
             return self._step_rows(keys, values, positions, owner)
         n1, dev = n0 + T, keys.device
+        band = (banded and n0 == 0 and window is None and not self.keep_positions
+                and banded_prefill.applies(T, self.reach) and banded_prefill.enabled()
+                and not hides_causal_keys(attention_mask, n0, T, window))
         kf, kfi, kq, kqi = self.k.step(keys)
         vf, vfi, vq, vqi = self.v.step(values)
+        if band:
+            return self._band(kf, kq, vf, vq, n1)
         if self.keep_positions:
             pos = positions.to(torch.int32).expand(B, -1)
             self.positions = pos if self.positions is None else torch.cat([self.positions, pos], 1)
@@ -311,6 +323,22 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
             mask = mask & base.index_select(-1, index)
         key_positions = None if self.positions is None else self.positions.index_select(1, index)
         return QuantKVView(torch.cat(col_k, 2), torch.cat(col_v, 2), index, mask, key_positions)
+
+    @property
+    def reach(self) -> int:
+        """How far behind a query a token may still be exact (quantised_at(j) - j at most; a sink
+        is exact at any distance and needs none)."""
+        return max(self.k.codec.block, self.v.codec.block) - 1 + self.schedule.window
+
+    def _band(self, kf, kq, vf, vq, n1: int) -> "banded_prefill.QuantKVBand":
+        """A first step's tokens in both forms: `_Stream.step` returned every token exact (kf, vf)
+        and the coded ones [sink, quantised) dequantised (kq, vq)."""
+        h1 = min(self.schedule.sink, n1)
+        coded = lambda f, c: torch.cat([f[:, :, :h1], c, f[:, :, h1 + c.shape[2]:]], 2)  # noqa: E731
+        tokens = torch.arange(n1)
+        at = [to_device(self.schedule.quantised_at(tokens, s.codec.block).clamp_max(n1), kf.device)
+              for s in (self.k, self.v)]
+        return banded_prefill.QuantKVBand(kf, vf, coded(kf, kq), coded(vf, vq), at[0], at[1], self.reach)
 
     def _goes_dense(self) -> bool:
         """Whether the next one-token step takes the batch path (`quant_dense`): after a prefill,
@@ -407,6 +435,19 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
                                   self.keep_positions, self.evicts) for _ in range(B)]
         self.pads, self.width = [int(p) for p in pads], 0
 
+    def _band_rows(self, keys, values, owner) -> "banded_prefill.RowBands | None":
+        """A left-padded batch's first step with every row long enough for a band: each row's
+        real tokens through its own row layer as a band (what that prompt alone gets); None
+        (nothing stored) where a row is too short, for the masked view."""
+        B, _, T, _ = keys.shape
+        skips = [min(T, p) for p in self.pads]
+        if not self.keep_positions and all(banded_prefill.applies(T - s, self.reach) for s in skips):
+            self.width = T
+            return banded_prefill.RowBands(
+                skips, [row.step(keys[b:b + 1, :, s:], values[b:b + 1, :, s:], None, None, None, owner,
+                                 banded=True) for b, (row, s) in enumerate(zip(self.rows, skips))])
+        return None
+
     def _step_rows(self, keys, values, positions, owner) -> QuantKVView:
         """Each row's real tokens of this step through its own row layer (as that prompt alone);
         the batch view puts the rows' columns side by side, padded with masked zero columns. A
@@ -470,8 +511,8 @@ class QuantKVCache(Cache):
         self.slots = None   # decode steps in preallocated slots (cache/quant_slots.py), once set
 
     def step(self, layer_idx, keys, values, positions, attention_mask,
-             window: int | None = None) -> QuantKVView:
-        return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner)
+             window: int | None = None, banded: bool = False):
+        return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner, banded)
 
     def stash_prompt(self) -> None:
         """Keep the exact keys and values of the next steps in every layer (`QuantKVLayer.stash`),

@@ -22,7 +22,7 @@ from .journal import current as current_journal
 log = logging.getLogger(__name__)
 AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
 # the environment switches that choose a decode path (static_decode, the kernels, cache/quant_dense)
-DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE")
+DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE", "PALU_BANDED_PREFILL")
 
 
 def decode_switches() -> dict:
