@@ -98,6 +98,9 @@ def test_the_switch(monkeypatch):
     k, v = (torch.randn(1, 2, 60, D, generator=g, dtype=torch.float64) for _ in range(2))
     monkeypatch.setenv("PALU_BANDED_PREFILL", "0")
     assert isinstance(_cache(Schedule(window=8), 4).step(0, k, v, None, None, banded=True), QuantKVView)
+    mask = torch.ones(1, 1, 60, 60, dtype=torch.bool).tril()
+    mask[0, :, :, :3] = False   # a left-padded row: the rows-apart path obeys the switch too
+    assert isinstance(_cache(Schedule(window=8), 4).step(0, k, v, None, mask, banded=True), QuantKVView)
     monkeypatch.setenv("PALU_BANDED_PREFILL", "yes")
     with pytest.raises(ValueError, match="PALU_BANDED_PREFILL='yes'"):
         _cache(Schedule(window=8), 4).step(0, k, v, None, None, banded=True)

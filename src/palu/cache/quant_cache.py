@@ -441,7 +441,8 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         (nothing stored) where a row is too short, for the masked view."""
         B, _, T, _ = keys.shape
         skips = [min(T, p) for p in self.pads]
-        if not self.keep_positions and all(banded_prefill.applies(T - s, self.reach) for s in skips):
+        if (not self.keep_positions and banded_prefill.enabled()
+                and all(banded_prefill.applies(T - s, self.reach) for s in skips)):
             self.width = T
             return banded_prefill.RowBands(
                 skips, [row.step(keys[b:b + 1, :, s:], values[b:b + 1, :, s:], None, None, None, owner,
