@@ -148,10 +148,11 @@ def time_ours(model, tok, method, prompts, new_tokens, batch, device):
     """(seconds, answers) of `prompts` answered `batch` at a time through the method's cache,
     after an untimed warm-up batch of the same shape and answer length (the first call of a new
     batch shape spent ~8 s on the H200 in kernel selection and allocator growth). Until session
-    45 the warm-up answered 2 tokens: kernels first met later in an answer (Triton's
-    specialisations of a growing cache length, the slot buckets' graphs) were compiled and
-    captured inside the timing (Palu-50 % 4-bit: 13.6 prompts/s at batch 64, then 46.7 at batch
-    323 in the same process, `results/throughput/h100-smollm2-4k-session45.json`)."""
+    45 the warm-up answered 2 tokens, so whatever an answer first meets later (a Triton
+    specialisation of a growing cache length, a slot bucket's graph) was compiled or captured
+    inside the timing: the likely reason, not measured, why Palu-50 % 4-bit took 13.6 prompts/s
+    at batch 64, then 46.7 at batch 323 in the same process
+    (`results/throughput/h100-smollm2-4k-session45.json`)."""
     from palu.eval.generation import answer_batches
     answer_batches(model, tok, method, prompts[:batch], new_tokens, batch_size=batch)
     _sync(device)
