@@ -48,7 +48,7 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
                      f"{cfg['transformers']}; prompts of {cfg['length'] - cfg['length'] // 8}-{cfg['length']} "
                      f"tokens (left-padded batches) + {cfg['new_tokens']} generated greedily, EOS off; "
                      f"{cfg['dtype']}; " + ({"full": "each shape and answer length warmed up untimed first"}.get(
-                         cfg.get("warmup"), "each shape warmed up untimed first (2 tokens: kernels met later in an answer were compiled inside the timing)")
+                         cfg.get("warmup"), "each shape warmed up untimed first (2 tokens: what an answer first met later may have compiled inside the timing)")
                          if cfg.get("warmup") else "**no warm-up**: the first call of each shape is timed")
                      + (f"; not measured (time limit): {', '.join(cfg['skipped'])}"
                                           if cfg["skipped"] else ""))
