@@ -465,10 +465,39 @@ def merge_partial(out: str, partial: str, complete: str) -> dict:
     return merged
 
 
+def add_steps(out: str, partial: str, into: str, steps: list[str], note: str) -> dict:
+    """`into` with the rows of `steps` from another run's JSON lines (`partial`: a run stopped at its
+    call's limit, say on another machine of the same kind), recorded with `note` beside any earlier
+    merge. Refuses a step `into` measured already (the newest-row rule would hide one of them), a
+    step `partial` lacks, and a shape `into` does not describe."""
+    from palu.artifacts import read_json, write_json
+    base = read_json(into)
+    lines = [json.loads(line) for line in Path(partial).read_text().splitlines() if line.strip()]
+    rows = [r for r in lines if r["step"] in steps]
+    missing = sorted(set(steps) - {r["step"] for r in rows})
+    if missing:
+        raise ValueError(f"{partial} has no rows of {missing}")
+    twice = sorted(set(steps) & {r["step"] for r in base["rows"]})
+    if twice:
+        raise ValueError(f"{into} measured {twice} already")
+    stray = sorted({r["shape"] for r in rows} - set(base["shapes"]))
+    if stray:
+        raise ValueError(f"{partial} measured shapes {stray} that {into} does not describe")
+    earlier = base.get("merged")
+    record = {"partial": Path(partial).name, "steps": list(steps), "rows": len(rows), "note": note}
+    merged = {**base, "rows": base["rows"] + rows,
+              "merged": ([] if earlier is None else earlier if isinstance(earlier, list) else [earlier]) + [record]}
+    write_json(out, merged)
+    return merged
+
+
 if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["merge"]:   # python -m palu_bench.scale merge OUT PARTIAL.jsonl COMPLETE.json
         merge_partial(*sys.argv[2:5])
+        sys.exit(0)
+    if sys.argv[1:2] == ["add"]:     # python -m palu_bench.scale add OUT PARTIAL.jsonl INTO.json STEP[,STEP] NOTE
+        add_steps(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5].split(","), sys.argv[6])
         sys.exit(0)
     args = sys.argv[2:]
     only = [a.split("=", 1)[1] for a in args if a.startswith("shape=")]

@@ -144,3 +144,21 @@ def test_merge_partial_keeps_the_stopped_runs_rows_and_the_later_runs_metadata(t
     with pytest.raises(ValueError, match="llama3-8b"):
         merge_partial(str(tmp_path / "n.json"), str(partial), str(complete))
     assert not (tmp_path / "n.json").exists()
+
+
+def test_add_steps_appends_only_the_named_steps_and_keeps_earlier_merges(tmp_path):
+    from palu.artifacts import write_json
+    from palu_bench.scale import add_steps
+    row = lambda step, variant, s: {"shape": "llama2-7b", "step": step, "variant": variant, "seconds": s}  # noqa: E731
+    partial = tmp_path / "c.json.partial.jsonl"
+    partial.write_text("\n".join(json.dumps(r) for r in [row("gram", "", 4.0), row("ppl_batched", "fp16", 2.0)]) + "\n")
+    into = tmp_path / "b.json"
+    write_json(into, {"device": "H100", "rows": [row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
+                      "merged": {"partial": "a.jsonl"}})
+    added = add_steps(str(tmp_path / "m.json"), str(partial), str(into), ["ppl_batched"], "why")
+    assert [(r["step"], r["seconds"]) for r in added["rows"]] == [("gram", 3.9), ("ppl_batched", 2.0)]
+    assert [m["partial"] for m in added["merged"]] == ["a.jsonl", "c.json.partial.jsonl"]
+    for steps, match in ((["gram"], "already"), (["zeroshot"], "no rows")):
+        with pytest.raises(ValueError, match=match):
+            add_steps(str(tmp_path / "n.json"), str(partial), str(into), steps, "why")
+    assert not (tmp_path / "n.json").exists()
