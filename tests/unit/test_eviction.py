@@ -363,6 +363,44 @@ def test_h2o_keeps_the_window_and_the_most_attended_older_tokens():
     assert policy.nbytes() == 6 * 4
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_h2o_decides_a_padded_batch_at_once_as_each_row_alone(monkeypatch, chunked):
+    """`H2OPolicy.keep_padded` (every row of a left-padded batch at once, queries in chunks) keeps
+    the slots and the sums `keep` gives each row alone, at the prefill and at a decode step that
+    evicts again (float64). `chunked`: one query a chunk, so the sums cross chunk bounds."""
+    import palu.methods.h2o as h2o
+    from palu.cache.subset_cache import FILLER, slots_of
+    if chunked:
+        monkeypatch.setattr("palu.attention.received.SCORES_AT_ONCE", 1)
+    g = torch.Generator().manual_seed(4)
+    lengths, W, H, rep, d = [12, 7, 4], 12, 2, 3, 8
+    q = torch.randn(3, H * rep, W, d, generator=g, dtype=torch.float64)
+    k = torch.randn(3, H, W, d, generator=g, dtype=torch.float64)
+    pads = torch.tensor([W - n for n in lengths])
+    pos = (torch.arange(W)[None] - pads[:, None]).clamp_min(FILLER)[:, None].expand(3, H, W).clone()
+    batch = h2o.H2OPolicy(budget=6, window=2)
+    held = batch.keep_padded(0, q, k, pos, torch.tensor(lengths), scale=0.4)
+    keep = slots_of(held, batch.padded_width(W, lengths))
+    batch.kept(0, None if keep is None else keep[0])
+    for b, n in enumerate(lengths):
+        alone = h2o.H2OPolicy(budget=6, window=2)
+        got = alone.keep(0, q[b:b + 1, :, W - n:], k[b:b + 1, :, W - n:], pos[b:b + 1, :, W - n:], n, True, scale=0.4)
+        want = torch.arange(n).expand(1, H, n) if got is None else got
+        mine = pos[b:b + 1].gather(2, keep[0][b:b + 1]).masked_fill(keep[1][b:b + 1], FILLER)
+        assert mine[mine >= 0].view(1, H, -1).tolist() == want.tolist(), b
+        sums = batch.accumulated[0][b:b + 1][mine >= 0].view(1, H, -1)
+        assert torch.allclose(sums, alone.accumulated[0], rtol=0, atol=0), b
+    # one decode step: each row's new token after its kept slots, scored and evicted again
+    kk = torch.cat([k.gather(2, keep[0][..., None].expand(-1, -1, -1, d)), torch.randn(3, H, 1, d, generator=g,
+                                                                                        dtype=torch.float64)], 2)
+    kpos = torch.cat([pos.gather(2, keep[0]).masked_fill(keep[1], FILLER),
+                      torch.tensor(lengths).view(3, 1, 1).expand(3, H, 1)], 2)
+    q1 = torch.randn(3, H * rep, 1, d, generator=g, dtype=torch.float64)
+    held = batch.keep_padded(0, q1, kk, kpos, torch.tensor(lengths) + 1, scale=0.4)
+    assert (held.sum(-1) == torch.tensor([6, 6, 5]).view(3, 1)).all()
+    assert not bool((held & (kpos < 0)).any())      # never a filler
+
+
 @pytest.mark.parametrize("conf", [{"name": "streaming_llm", "sink": 2, "window": 6},
                                   {"name": "snapkv", "compression_ratio": 0.5, "window": 4, "kernel": 3},
                                   {"name": "pyramidkv", "compression_ratio": 0.5, "window": 4, "kernel": 3},

@@ -29,7 +29,8 @@ NEW = 10
 
 @pytest.fixture(autouse=True)
 def every_slot_path(monkeypatch):
-    """The right-padded prefill is opt-in (PALU_STATIC_DECODE=all) until a GPU checks it."""
+    """Every slot path on (the right-padded prefill is on by default since session 46's check;
+    `all` also takes the subset methods' opt-in paths)."""
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
 
 
@@ -124,12 +125,12 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
     assert static_quant.quant_enabled()        # the default since the H200 check
     kivi, model = _installed(gqa_base, "kivi", None)
-    assert not static_quant.right_padded_prefill(model, kivi)   # opt-in until a GPU checks it
+    assert static_quant.right_padded_prefill(model, kivi)   # the default since session 46's check
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
-    assert static_quant.quant_enabled()
+    assert static_quant.quant_enabled() and static_quant.right_padded_prefill(model, kivi)
     for off in ("palu", "fp16", "0"):
         monkeypatch.setenv("PALU_STATIC_DECODE", off)
-        assert not static_quant.quant_enabled(), off
+        assert not static_quant.quant_enabled() and not static_quant.right_padded_prefill(model, kivi), off
 
 
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):

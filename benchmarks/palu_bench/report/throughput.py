@@ -22,7 +22,8 @@ def throughput_frame(inputs: list[str]) -> tuple[pd.DataFrame, dict]:
     for path in inputs:
         data = read_json(path)
         run = path.rsplit("/", 1)[-1].removesuffix(".json")
-        meta[run] = {**data["config"], **data["env"], "skipped": data.get("skipped", [])}
+        meta[run] = {**data["config"], **data["env"], "skipped": data.get("skipped", []),
+                     "notes": data.get("notes", [])}
         for r in data["rows"]:
             agree = r.get("agreement") or {}
             kv = r.get("kv_bytes_per_prompt")
@@ -52,6 +53,7 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
                          if cfg.get("warmup") else "**no warm-up**: the first call of each shape is timed")
                      + (f"; not measured (time limit): {', '.join(cfg['skipped'])}"
                                           if cfg["skipped"] else ""))
+        lines += [f"  - {note}" for note in cfg.get("notes", [])]   # what a row measured that the code no longer does
     speed = frame[frame.path != "budget"]
     lines += ["", "## Prompts per second by batch size", "",
               "`palu`: `palu.eval.generation.answer_batches` (every long-context suite's path), "

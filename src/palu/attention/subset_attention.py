@@ -90,6 +90,8 @@ class SubsetKVAttention(FullHeads):
             width = (None if lay.host_pads is None else
                      policy.padded_width(keys.shape[2], [seen + T - p for p in lay.host_pads]))
             keep = slots_of(held, width)
+            if policy.accumulates:   # its sums follow the kept slots, as `keep` does for a row alone
+                policy.kept(self.layer_idx, None if keep is None else keep[0])
         else:
             keep = _by_row(cache, B, lambda p, b, qb, kb, posb, seen_b: p.keep(
                 self.layer_idx, qb, kb, posb, seen_b, prefill=first and qb.shape[2] > 1, scale=scale),

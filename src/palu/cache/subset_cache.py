@@ -172,21 +172,21 @@ class SubsetKVCache(RowEdits, Cache):
         """Row `b` alone: a one-row cache of its real tokens (no pads, no filler slots) and its own
         policy state, what the row's prompt alone would hold; `method.cache_nbytes(cache.row(b))`
         counts that row's bytes."""
-        if self.row_policies is not None:
-            policy = self.row_policies[b]
-        else:
-            policy = copy.deepcopy(self.policy)
-            for i in range(len(self.layers)):
-                policy.map_rows(i, lambda t: t[b:b + 1])
+        shared = self.row_policies is None
+        policy = copy.deepcopy(self.policy) if shared else self.row_policies[b]
         out = SubsetKVCache(policy, len(self.layers), self.owner)
         for i, lay in enumerate(self.layers):
             if lay.keys is None:
+                if shared:
+                    policy.map_rows(i, lambda t: t[b:b + 1])
                 continue
             k, v, pos = lay.keys[b:b + 1], lay.values[b:b + 1], lay.positions[b:b + 1]
-            pads = 0
+            pads, idx = 0, None
             if lay.pads is not None:
                 pads, idx = int(lay.pads[b]), real_slots(pos)
                 k, v, pos = gather_slots(k, idx), gather_slots(v, idx), pos.gather(2, idx)
+            if shared:   # a batched policy's state per slot (H2O's sums, `keep_padded`): the row's real slots
+                policy.map_rows(i, lambda t: t[b:b + 1] if idx is None else t[b:b + 1].gather(2, idx))
             out.store(i, k, v, pos, lay.seen - pads)
         return out
 

@@ -3,8 +3,8 @@ captured once as a CUDA graph and replayed (issue 49, item 4): KIVI, KIVI + Snap
 scales, Atom, TurboQuant: the methods whose codes of a block depend on that block alone.
 
 The prefill is the method's own one-pass step (`QuantKVAttention`), right-padded where the family
-allows it and PALU_STATIC_DECODE=all (until an H200 run checks it) (every row counted from its first token in one set of tensors; the rows' forms then
-coded per row from the exact keys and values), else left-padded (a padded batch's rows kept apart,
+allows it (`right_padded_prefill`: every row counted from its first token in one set of tensors;
+the rows' forms then coded per row from the exact keys and values), else left-padded (a padded batch's rows kept apart,
 each counting its own sink, window and key blocks; KIVI + SnapKV evicting each row among its own
 tokens). Then every row's tokens move into preallocated slots in the form the cache holds them
 (`cache/quant_slots.py`) and each step writes every row's token at one slot, codes the
@@ -100,8 +100,11 @@ def right_padded_prefill(model, method) -> bool:
     """Whether a padded batch prefills right-padded (`greedy_static_quant`): not for a composition
     that evicts after its prefill (SnapKV scores each row's last queries: its rows stay apart),
     and only for the families whose logits are the output embedding of the decoder's last hidden
-    state (`static_decode.FAMILIES`: no soft-capping or scaling after it). Opt-in with
-    PALU_STATIC_DECODE=all until an H200 run checks it (exact per row in float64; its fp16
-    agreement with the left-padded prefill, which the session-38 check covered, is unmeasured)."""
-    return (_switch() == "all" and getattr(method, "eviction", None) is None
+    state (`static_decode.FAMILIES`: no soft-capping or scaling after it). On wherever the slot
+    path is (PALU_STATIC_DECODE 1 or all) since the H100 check of session 46
+    (`results/checks/h100-kivi-prefill-alone-session46.json`): at 64 prompts of 3.5-4K tokens
+    + 64, the first 16 rows answered alone (batch 1) equal their batch rows in 15 / 16 (KIVI-2)
+    and 16 / 16 (KIVI-4), the same as with the left-padded prefill (15 / 16, 16 / 16; the same
+    row differs), at 35.0 prompts/s against 10.1. Both are exact per row in float64."""
+    return (_switch() in ("1", "all") and getattr(method, "eviction", None) is None
             and model.config.model_type in FAMILIES)

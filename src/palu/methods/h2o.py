@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.received import received
 from ..cache.eviction import ScoredEviction
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
@@ -46,6 +47,38 @@ class H2OPolicy(ScoredEviction):
     def kept(self, layer, keep):
         total = self._total.pop(layer)
         self.accumulated[layer] = total if keep is None else total.gather(-1, keep)
+
+    def padded_width(self, slots, seen):
+        # a row keeps min(its tokens, budget); the fullest row holds `slots` tokens
+        return min(slots, self.budget_tokens)
+
+    def keep_padded(self, layer, queries, keys, positions, seen, scale=None):
+        """Every row of a left-padded batch at once (the prefill and each eager decode step):
+        each row's queries attend to its own tokens only (position >= 0, causal by position),
+        the attention they give is added to the row's sums, and a row holding more than the
+        budget keeps its newest `window` tokens and the `budget - window` older ones with the
+        largest sums: `keep` for the row alone. The sums come from `attention/received.py` (a
+        Triton kernel on a GPU, storing no scores); before, a padded batch scored row by row, a
+        (heads, T, T) softmax per row and layer (64 x 30 at a 4K prefill). The state (`_total`
+        until `kept`) is (B, H, S), each slot's sum (0 at fillers and pads)."""
+        B, H, S, d = keys.shape
+        T = queries.shape[2]
+        real = positions >= 0                                                # (B, H, S)
+        seen = seen.view(B, 1, 1).to(positions.dtype)
+        q_pos = seen[:, 0] - T + torch.arange(T, device=keys.device)[None]   # (B, T); < 0: a pad
+        # stored as float32, as `scores` stores them
+        got = received(queries, keys, q_pos, positions, scale if scale is not None else d ** -0.5).float()
+        old = self.accumulated.get(layer)
+        self._total[layer] = got if old is None else got + torch.nn.functional.pad(old, (0, S - old.shape[-1]))
+        counts = real.sum(-1, keepdim=True)                                  # (B, H, 1)
+        if not bool((counts > self.budget_tokens).any()):
+            return real
+        older = real & (positions <= seen - 1 - self.window)
+        top = self._total[layer].masked_fill(~older, float("-inf")).topk(self.budget_tokens - self.window, dim=-1).indices
+        held = real & ~older                                                 # the newest `window`
+        held = held | torch.zeros_like(real).scatter_(-1, top, True) & older
+        # a row within the budget keeps all it holds (its top-k took non-older slots too)
+        return torch.where(counts > self.budget_tokens, held, real)
 
     def map_rows(self, layer, fn):
         if layer in self.accumulated:
