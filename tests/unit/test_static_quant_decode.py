@@ -126,7 +126,10 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
     assert static_quant.quant_enabled()        # the default since the H200 check
     kivi, model = _installed(gqa_base, "kivi", None)
     assert static_quant.right_padded_prefill(model, kivi)   # the default since session 46's check
+    atom, model_a = _installed(gqa_base, "atom", None)      # counts no tokens: opt-in (unchecked)
+    assert not static_quant.right_padded_prefill(model_a, atom)
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
+    assert static_quant.right_padded_prefill(model_a, atom)
     assert static_quant.quant_enabled() and static_quant.right_padded_prefill(model, kivi)
     for off in ("palu", "fp16", "0"):
         monkeypatch.setenv("PALU_STATIC_DECODE", off)

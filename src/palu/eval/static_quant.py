@@ -100,11 +100,17 @@ def right_padded_prefill(model, method) -> bool:
     """Whether a padded batch prefills right-padded (`greedy_static_quant`): not for a composition
     that evicts after its prefill (SnapKV scores each row's last queries: its rows stay apart),
     and only for the families whose logits are the output embedding of the decoder's last hidden
-    state (`static_decode.FAMILIES`: no soft-capping or scaling after it). On wherever the slot
-    path is (PALU_STATIC_DECODE 1 or all) since the H100 check of session 46
+    state (`static_decode.FAMILIES`: no soft-capping or scaling after it). By default
+    (PALU_STATIC_DECODE=1) for a code that counts tokens (KIVI's window and key blocks, whose
+    left-padded prefill keeps the rows apart) since the H100 check of session 46
     (`results/checks/h100-kivi-prefill-alone-session46.json`): at 64 prompts of 3.5-4K tokens
     + 64, the first 16 rows answered alone (batch 1) equal their batch rows in 15 / 16 (KIVI-2)
     and 16 / 16 (KIVI-4), the same as with the left-padded prefill (15 / 16, 16 / 16; the same
-    row differs), at 35.0 prompts/s against 10.1. Both are exact per row in float64."""
-    return (_switch() in ("1", "all") and getattr(method, "eviction", None) is None
-            and model.config.model_type in FAMILIES)
+    row differs), at 35.0 prompts/s against 10.1. A code that counts nothing (Atom, TurboQuant)
+    prefills a left-padded batch in one set of tensors anyway; right-padded for it with
+    PALU_STATIC_DECODE=all (unchecked on a GPU). Both prefills are exact per row in float64."""
+    switch = _switch()
+    if switch not in ("1", "all") or getattr(method, "eviction", None) is not None \
+            or model.config.model_type not in FAMILIES:
+        return False
+    return switch == "all" or method.make_cache(model).layers[0].counts_tokens
