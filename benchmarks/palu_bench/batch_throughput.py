@@ -58,7 +58,8 @@ METHODS = {
     "h2o-graph": {"name": "h2o", "budget": 2048, "window": 64, "decode": "all"},
     # the quantised caches in preallocated slots, blocks coded on the device, replayed
     # (cache/quant_slots.py; the default since session 38, so `kivi-b2` above takes them too);
-    # with PALU_STATIC_DECODE=all a padded batch also prefills right-padded (opt-in until checked)
+    # with PALU_STATIC_DECODE=all a padded batch also prefills right-padded (KIVI's default too since
+    # session 46, so for KIVI `-graph` now times the default path; Atom / TurboQuant: opt-in)
     "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},
     "kivi-b4-graph": {"name": "kivi", "bits": 4, "decode": "all"},
     # their one-pass prefill through the masked view (PALU_BANDED_PREFILL=0; banded since session 45)
