@@ -144,3 +144,21 @@ def _greedy_with_cache(model, method, ids, mask, cache):
         return static_subset.greedy_static_subset(model, method, ids, mask, 8, set(), graph=False)
     finally:
         method.make_cache = orig
+
+
+def test_quest_slots_keep_the_pages_bounds_as_a_rescan_finds_them(gqa_base):
+    """Quest's slots keep each row-aligned page's key bounds up to date as tokens arrive
+    (`QuestPolicy.add_to_bounds`): after 8 steps (pages of 2 filled and begun) they equal the bounds
+    a rescan of the buffer gives, bit for bit, so a step chooses the pages the rescan would."""
+    method, model = _installed(gqa_base, "quest")
+    ids, mask = left_padded(PROMPTS)
+    with torch.no_grad():
+        cache = method.make_cache(model)
+        _greedy_with_cache(model, method, ids, mask, cache)
+    slots, policy = cache.slots, cache.slots.policy
+    assert slots.bounds is not None
+    for layer, (lo, hi) in enumerate(slots.bounds):
+        held = slots.step + slots.widths[layer] - slots.pads          # every token written so far
+        want = policy.page_bounds(policy.aligned(slots.keys[layer], slots.pads), held)
+        assert torch.equal(lo, want[0]) and torch.equal(hi, want[1]), layer
+        assert bool(torch.isinf(lo).any())      # pages past a row's tokens stay empty (+inf)

@@ -48,6 +48,13 @@ class SubsetSlots:
             pads = cache.layers[0].pads
             self.pads = (torch.zeros(len(self.counts[0]), dtype=torch.long, device=device) if pads is None
                          else pads.to(device=device, dtype=torch.long))
+            # the pages' key bounds, kept as tokens arrive (a policy that has them: Quest), so a step
+            # scores pages without realigning and rescanning every key (~5 passes over the keys a
+            # layer and step before; the bounds are exact, so the same pages are chosen)
+            self.bounds = None
+            if getattr(self.policy, "page_bounds", None) is not None:
+                self.bounds = [self.policy.page_bounds(self.policy.aligned(k, self.pads), w - self.pads)
+                               for k, w in zip(self.keys, self.widths)]
         self.new_tokens = new_tokens
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
@@ -62,11 +69,16 @@ class SubsetSlots:
     def attend(self, layer: int, queries, keys, values, scale: float, positions=None) -> torch.Tensor:
         """One decode step of the layer: the new token written, the queries (B, nh, 1, d) attending
         to every slot the row holds (query heads grouped by KV head): (B, nh, 1, d)."""
+        new = keys
         keys, values, mask = self.write(layer, keys, values)
         if self.policy is None:
             return grouped_decode(queries, keys, values, mask, scale)
         held = self.step + (self.widths[layer] + 1) - self.pads                      # (B,) tokens a row holds
-        mask = mask & self.policy.select_rows(queries, keys, self.pads, held)[:, :, None]   # (B, H, 1, W)
+        bounds = None
+        if self.bounds is not None:
+            bounds = self.bounds[layer]
+            self.policy.add_to_bounds(*bounds, new, held)
+        mask = mask & self.policy.select_rows(queries, keys, self.pads, held, bounds)[:, :, None]   # (B, H, 1, W)
         B, nh, _, d = queries.shape
         grouped = queries.reshape(B, keys.shape[1], nh // keys.shape[1], d)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)

@@ -35,39 +35,64 @@ class QuestPolicy(SubsetPolicy):
         budget reads all its tokens."""
         return self.select_rows(queries, keys, pads, keys.shape[2] - pads.to(torch.long))
 
-    def select_rows(self, queries, keys, pads, held):
+    def select_rows(self, queries, keys, pads, held, bounds=None):
         """`select_padded` where row b's tokens are the slots [pads[b], pads[b] + held[b]) of a
-        buffer that may be wider (preallocated slots, `cache/subset_slots.py`): (B, H, S) bool."""
+        buffer that may be wider (preallocated slots, `cache/subset_slots.py`): (B, H, S) bool.
+        `bounds`: the row-aligned pages' (lo, hi) the slots keep up to date (`page_bounds`,
+        `add_to_bounds`), so a step does not realign and rescan every key."""
         B, H, S, d = keys.shape
         t = torch.arange(S, device=keys.device)
-        own = (pads.to(torch.long)[:, None] + t).clamp_max(S - 1)              # row-aligned slot t
-        aligned = keys.gather(2, own[:, None, :, None].expand(B, H, S, d))
-        chosen = self._chosen(queries, aligned, held) | (held <= self.budget)[:, None, None]
+        if bounds is None:
+            bounds = self.page_bounds(self.aligned(keys, pads), held)
+        chosen = self.chosen_pages(queries, *bounds, held, S) | (held <= self.budget)[:, None, None]
         chosen &= (t < held[:, None])[:, None]                                # (B, H, S) over t
         back = (t - pads.to(torch.long)[:, None])                              # slot -> row-aligned t
         return chosen.gather(2, back.clamp_min(0)[:, None].expand(B, H, S)) & (back >= 0)[:, None]
 
-    def _chosen(self, queries, keys, held):
-        """(B, H, S) bool: the pages each row reads, its tokens at slots [0, held[b])."""
+    @staticmethod
+    def aligned(keys, pads):
+        """Each row's slots shifted left by its pads: row-aligned token t at index t."""
+        B, H, S, d = keys.shape
+        own = (pads.to(torch.long)[:, None] + torch.arange(S, device=keys.device)).clamp_max(S - 1)
+        return keys.gather(2, own[:, None, :, None].expand(B, H, S, d))
+
+    def page_bounds(self, keys, held):
+        """(lo, hi), each (B, H, pages, d): the per-channel minimum and maximum of each page's keys,
+        row b's tokens at [0, held[b]); a page with none of them holds +inf / -inf."""
         B, H, S, d = keys.shape
         pages = math.ceil(S / self.page)
-        pad = pages * self.page - S
-        padded = torch.nn.functional.pad(keys, (0, 0, 0, pad))               # (B, H, P * page, d)
+        padded = torch.nn.functional.pad(keys, (0, 0, 0, pages * self.page - S))
         blocks = padded.view(B, H, pages, self.page, d)
         valid = (torch.arange(pages * self.page, device=keys.device)[None] < held[:, None])
         valid = valid.view(B, 1, pages, self.page, 1)
-        lo = blocks.masked_fill(~valid, float("inf")).amin(3)                # (B, H, P, d)
-        hi = blocks.masked_fill(~valid, float("-inf")).amax(3)
+        return blocks.masked_fill(~valid, float("inf")).amin(3), blocks.masked_fill(~valid, float("-inf")).amax(3)
+
+    def add_to_bounds(self, lo, hi, key, held):
+        """Row b's newest key (B, H, 1, d), its row-aligned token held[b] - 1, into its page's
+        bounds in place (exact: a minimum and a maximum do not depend on the order)."""
+        B, H, _, d = lo.shape
+        page = ((held.to(torch.long) - 1) // self.page).view(B, 1, 1, 1).expand(B, H, 1, d)
+        lo.scatter_reduce_(2, page, key.to(lo.dtype), "amin")
+        hi.scatter_reduce_(2, page, key.to(hi.dtype), "amax")
+
+    def _chosen(self, queries, keys, held):
+        """(B, H, S) bool: the pages each row reads, its tokens at slots [0, held[b])."""
+        return self.chosen_pages(queries, *self.page_bounds(keys, held), held, keys.shape[2])
+
+    def chosen_pages(self, queries, lo, hi, held, S):
+        """(B, H, S) bool over row-aligned tokens: the pages the step's query scores best by its
+        upper bound from the pages' (lo, hi), the newest page always, none past a row's tokens."""
+        B, H, pages, d = lo.shape
         n_rep = queries.shape[1] // H
         q = queries[:, :, -1].view(B, H, n_rep, d)                           # this step's query
         bound = torch.maximum(q[:, :, :, None] * lo[:, :, None], q[:, :, :, None] * hi[:, :, None])
         score = bound.sum(-1).sum(2)                                          # (B, H, P)
         count = -(-held // self.page)                                         # (B,) each row's pages
-        page = torch.arange(pages, device=keys.device)
+        page = torch.arange(pages, device=lo.device)
         score = score.masked_fill(page >= count[:, None, None], float("-inf"))
         score = score.masked_fill(page == (count - 1)[:, None, None], float("inf"))   # the newest page
         chosen_pages = score.topk(min(pages, self.budget // self.page), dim=-1).indices
-        chosen = torch.zeros(B, H, pages, dtype=torch.bool, device=keys.device)
+        chosen = torch.zeros(B, H, pages, dtype=torch.bool, device=lo.device)
         chosen.scatter_(-1, chosen_pages, True)
         return (chosen & (page < count[:, None, None])).repeat_interleave(self.page, -1)[..., :S]
 
