@@ -91,11 +91,15 @@ def throughput_figure(frame: pd.DataFrame, path: str) -> None:
         ax.set_visible(False)
     for ax, run in zip(axes.flat, runs):
         part = frame[(frame.run == run) & (frame.path != "budget") & ~frame.oom]
-        for (path_, method), g in part.groupby(["path", "method"], sort=False):
+        # a run of more than the 10 default colours repeated them (FP16 and TurboQuant alike in
+        # session 46's panel): 20 colours, and a marker per ten lines
+        colours = plt.get_cmap("tab20").colors
+        for i, ((path_, method), g) in enumerate(part.groupby(["path", "method"], sort=False)):
             g = g.sort_values("batch")
             style = "--" if path_.startswith("transformers") else "-"
             label = method if path_ == "palu" else f"{path_} ({method})"
-            ax.plot(g.batch, g.prompts_per_s, style, marker="o", label=label)
+            ax.plot(g.batch, g.prompts_per_s, style, marker="osD^v"[(i // 10) % 5], color=colours[i % 20],
+                    label=label)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("batch size (prompts)")
