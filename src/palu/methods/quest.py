@@ -72,8 +72,9 @@ class QuestPolicy(SubsetPolicy):
         bounds in place (exact: a minimum and a maximum do not depend on the order)."""
         B, H, _, d = lo.shape
         page = ((held.to(torch.long) - 1) // self.page).view(B, 1, 1, 1).expand(B, H, 1, d)
-        lo.scatter_reduce_(2, page, key.to(lo.dtype), "amin")
-        hi.scatter_reduce_(2, page, key.to(hi.dtype), "amax")
+        # one page per (row, head): gather, compare, write back (no atomics, any dtype, capturable)
+        lo.scatter_(2, page, torch.minimum(lo.gather(2, page), key.to(lo.dtype)))
+        hi.scatter_(2, page, torch.maximum(hi.gather(2, page), key.to(hi.dtype)))
 
     def _chosen(self, queries, keys, held):
         """(B, H, S) bool: the pages each row reads, its tokens at slots [0, held[b])."""
