@@ -443,6 +443,17 @@ def load_config(overrides: list[str] | None = None) -> dict:
     return cfg
 
 
+def _partial_rows(partial: str) -> list[dict]:
+    """The rows of a run's JSON lines (what a run stopped at its time limit leaves)."""
+    return [json.loads(line) for line in Path(partial).read_text().splitlines() if line.strip()]
+
+
+def _check_shapes(rows: list[dict], result: dict, partial: str, described_in: str) -> None:
+    stray = sorted({r["shape"] for r in rows} - set(result["shapes"]))
+    if stray:
+        raise ValueError(f"{partial} measured shapes {stray} that {described_in} does not describe")
+
+
 def merge_partial(out: str, partial: str, complete: str) -> dict:
     """One result from a run stopped at a call's time limit (its JSON lines, `partial`) and a
     later run on the same machine that measured the rest (`complete`, whose metadata the merged
@@ -450,12 +461,10 @@ def merge_partial(out: str, partial: str, complete: str) -> dict:
     run's where both measured a step. Refuses rows of a shape the second run does not describe."""
     from palu.artifacts import read_json, write_json
     rest = read_json(complete)
-    lines = [json.loads(line) for line in Path(partial).read_text().splitlines() if line.strip()]
+    lines = _partial_rows(partial)
     if not lines:
         raise ValueError(f"{partial}: no rows")
-    stray = sorted({r["shape"] for r in lines} - set(rest["shapes"]))
-    if stray:
-        raise ValueError(f"{partial} measured shapes {stray} that {complete} does not describe")
+    _check_shapes(lines, rest, partial, complete)
     merged = {**rest, "rows": lines + rest["rows"],
               "merged": {"partial": Path(partial).name, "complete": Path(complete).name,
                          "note": "rows of two runs on one machine: a run stopped at its time limit "
@@ -472,17 +481,14 @@ def add_steps(out: str, partial: str, into: str, steps: list[str], note: str) ->
     step `partial` lacks, and a shape `into` does not describe."""
     from palu.artifacts import read_json, write_json
     base = read_json(into)
-    lines = [json.loads(line) for line in Path(partial).read_text().splitlines() if line.strip()]
-    rows = [r for r in lines if r["step"] in steps]
+    rows = [r for r in _partial_rows(partial) if r["step"] in steps]
     missing = sorted(set(steps) - {r["step"] for r in rows})
     if missing:
         raise ValueError(f"{partial} has no rows of {missing}")
     twice = sorted(set(steps) & {r["step"] for r in base["rows"]})
     if twice:
         raise ValueError(f"{into} measured {twice} already")
-    stray = sorted({r["shape"] for r in rows} - set(base["shapes"]))
-    if stray:
-        raise ValueError(f"{partial} measured shapes {stray} that {into} does not describe")
+    _check_shapes(rows, base, partial, into)
     earlier = base.get("merged")
     record = {"partial": Path(partial).name, "steps": list(steps), "rows": len(rows), "note": note}
     merged = {**base, "rows": base["rows"] + rows,

@@ -126,21 +126,29 @@ def test_the_table_takes_each_step_from_its_newest_run(tmp_path):
     assert any("one-at-a-time" in n for n in rates.notes)
 
 
+def _row(step, variant, seconds, shape="llama2-7b"):
+    return {"shape": shape, "step": step, "variant": variant, "seconds": seconds}
+
+
+def _lines(path, rows):
+    """A run's JSON lines, as one stopped at its time limit leaves them."""
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
 def test_merge_partial_keeps_the_stopped_runs_rows_and_the_later_runs_metadata(tmp_path):
     # a run stopped at a call's time limit leaves only its JSON lines; the later run of the rest
     # gives the metadata, and its rows come last (the table keeps the newest row of a step)
     from palu.artifacts import read_json, write_json
     from palu_bench.scale import merge_partial
-    row = lambda step, variant, s: {"shape": "llama2-7b", "step": step, "variant": variant, "seconds": s}  # noqa: E731
-    partial = tmp_path / "a.json.partial.jsonl"
-    partial.write_text("\n".join(json.dumps(r) for r in [row("gram", "", 4.0), row("install", "fp16", 0.1)]) + "\n")
+    partial = _lines(tmp_path / "a.json.partial.jsonl", [_row("gram", "", 4.0), _row("install", "fp16", 0.1)])
     complete = tmp_path / "b.json"
-    write_json(complete, {"device": "H100", "rows": [row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
+    write_json(complete, {"device": "H100", "rows": [_row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
                           "config": {}, "created": "2026-12-06T15:14:11Z"})
     merged = merge_partial(str(tmp_path / "m.json"), str(partial), str(complete))
     assert [r["seconds"] for r in merged["rows"]] == [4.0, 0.1, 3.9]
     assert read_json(tmp_path / "m.json")["device"] == "H100"
-    partial.write_text(json.dumps({**row("gram", "", 1.0), "shape": "llama3-8b"}) + "\n")
+    _lines(partial, [_row("gram", "", 1.0, shape="llama3-8b")])
     with pytest.raises(ValueError, match="llama3-8b"):
         merge_partial(str(tmp_path / "n.json"), str(partial), str(complete))
     assert not (tmp_path / "n.json").exists()
@@ -149,11 +157,9 @@ def test_merge_partial_keeps_the_stopped_runs_rows_and_the_later_runs_metadata(t
 def test_add_steps_appends_only_the_named_steps_and_keeps_earlier_merges(tmp_path):
     from palu.artifacts import write_json
     from palu_bench.scale import add_steps
-    row = lambda step, variant, s: {"shape": "llama2-7b", "step": step, "variant": variant, "seconds": s}  # noqa: E731
-    partial = tmp_path / "c.json.partial.jsonl"
-    partial.write_text("\n".join(json.dumps(r) for r in [row("gram", "", 4.0), row("ppl_batched", "fp16", 2.0)]) + "\n")
+    partial = _lines(tmp_path / "c.json.partial.jsonl", [_row("gram", "", 4.0), _row("ppl_batched", "fp16", 2.0)])
     into = tmp_path / "b.json"
-    write_json(into, {"device": "H100", "rows": [row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
+    write_json(into, {"device": "H100", "rows": [_row("gram", "", 3.9)], "shapes": {"llama2-7b": {}},
                       "merged": {"partial": "a.jsonl"}})
     added = add_steps(str(tmp_path / "m.json"), str(partial), str(into), ["ppl_batched"], "why")
     assert [(r["step"], r["seconds"]) for r in added["rows"]] == [("gram", 3.9), ("ppl_batched", 2.0)]
