@@ -65,10 +65,10 @@ class Tok:
 
 @pytest.mark.parametrize("name", sorted(CONF))
 def test_every_row_of_a_padded_batch_equals_its_prompt_alone(gqa_base, vscale_state, name):
-    """Right-padded prefill (every method but KIVI + SnapKV, whose rows evict apart)."""
+    """Right-padded prefill (KIVI + SnapKV: each row evicting among its own first tokens)."""
     method, model = _installed(gqa_base, name, vscale_state)
     assert static_quant.quant_unsupported(model, method) is None
-    assert static_quant.right_padded_prefill(model, method) == (name != "kivi_snapkv")
+    assert static_quant.right_padded_prefill(model, method)
     ids, mask = left_padded(PROMPTS)
     trace = []
     new, _ = static_quant.greedy_static_quant(model, method, ids, mask, NEW, set(), graph=False, trace=trace)
@@ -128,8 +128,10 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
     assert static_quant.right_padded_prefill(model, kivi)   # the default since session 46's check
     atom, model_a = _installed(gqa_base, "atom", None)      # counts no tokens: opt-in (unchecked)
     assert not static_quant.right_padded_prefill(model_a, atom)
+    snap, model_s = _installed(gqa_base, "kivi_snapkv", None)   # evicts per row: opt-in (unchecked)
+    assert not static_quant.right_padded_prefill(model_s, snap)
     monkeypatch.setenv("PALU_STATIC_DECODE", "all")
-    assert static_quant.right_padded_prefill(model_a, atom)
+    assert static_quant.right_padded_prefill(model_a, atom) and static_quant.right_padded_prefill(model_s, snap)
     assert static_quant.quant_enabled() and static_quant.right_padded_prefill(model, kivi)
     for off in ("palu", "fp16", "0"):
         monkeypatch.setenv("PALU_STATIC_DECODE", off)
@@ -151,10 +153,11 @@ def test_a_first_step_of_padding_alone_is_refused(gqa_base):
         model(ids[:, :8], attention_mask=mask[:, :8], past_key_values=method.make_cache(model))
 
 
-@pytest.mark.parametrize("name", ["kivi", "atom", "kivi_vscale"])
+@pytest.mark.parametrize("name", ["kivi", "atom", "kivi_vscale", "kivi_snapkv"])
 def test_the_left_padded_prefill_equals_each_prompt_alone(gqa_base, vscale_state, name, monkeypatch):
     """A family whose logits are not the decoder's last hidden state through the output
-    embedding prefills left-padded, its rows apart (counting codes) or in one tensor (Atom)."""
+    embedding prefills left-padded, its rows apart (counting codes, evicting rows) or in one
+    tensor (Atom)."""
     monkeypatch.setattr(static_quant, "FAMILIES", set())
     method, model = _installed(gqa_base, name, vscale_state)
     assert not static_quant.right_padded_prefill(model, method)

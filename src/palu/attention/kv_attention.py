@@ -79,8 +79,16 @@ class QuantKVAttention(FullHeads):
     def _evict(self, eviction, layer, q, k, v, T: int) -> None:
         """After the prefill, hold only the tokens `eviction` keeps. A left-padded batch's rows
         are apart (`QuantKVLayer.rows`): each row chooses among its own real tokens, with its own
-        queries, and its row layer holds what that prompt alone would."""
+        queries, and its row layer holds what that prompt alone would. A right-padded one (the
+        slots' prefill) chooses the same per row and leaves the holding to the slots."""
         scale = self.softmax_scale()
+        if layer.stash is not None and layer.stash_lengths is not None:
+            # a right-padded prefill: row b's tokens and queries are its first n_b; its choice is
+            # kept for the slots, which gather its exact tokens (`QuantSlots._row_forms`)
+            layer.kept_rows = [eviction.keep(self.layer_idx, q[b:b + 1, :, :n], k[b:b + 1, :, :n], None, n,
+                                             prefill=True, scale=scale)
+                               for b, n in enumerate(layer.stash_lengths)]
+            return
         parts = ([(layer, slice(None), 0)] if layer.rows is None
                  else [(row, slice(b, b + 1), pad) for b, (row, pad) in enumerate(zip(layer.rows, layer.pads))])
         for store, rows, pad in parts:

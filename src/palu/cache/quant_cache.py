@@ -222,6 +222,11 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         # the exact keys and values of the steps taken while set (a list): what preallocated
         # slots code per row after a right-padded prefill (`quant_slots.QuantSlots`)
         self.stash: list | None = None
+        # with the stash, each row's real tokens (a right-padded prefill: row b's first
+        # `stash_lengths[b]` columns) and, for a prefill-eviction composition, the indices (1, H, n)
+        # of the tokens each row keeps (None: all), chosen by the attention after the prefill
+        self.stash_lengths: list[int] | None = None
+        self.kept_rows: list | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -515,11 +520,13 @@ class QuantKVCache(Cache):
              window: int | None = None, banded: bool = False):
         return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner, banded)
 
-    def stash_prompt(self) -> None:
+    def stash_prompt(self, lengths: list[int] | None = None) -> None:
         """Keep the exact keys and values of the next steps in every layer (`QuantKVLayer.stash`),
-        for preallocated slots to code per row after a right-padded prefill."""
+        for preallocated slots to code per row after a right-padded prefill whose rows hold
+        `lengths` real tokens (a prefill-eviction composition then chooses each row's tokens among
+        its own, `QuantKVAttention._evict`)."""
         for layer in self.layers:
-            layer.stash = []
+            layer.stash, layer.stash_lengths, layer.kept_rows = [], lengths, None
 
     def holds_rows_apart(self) -> bool:
         """Whether a padded batch split its rows (then `row(b)` is a row's bytes as alone)."""

@@ -93,6 +93,9 @@ class QuantSlots:
                              "values (cache.stash_prompt() before it)")
         exact = [torch.cat([step[k] for step in lay.stash], 2) for k in (0, 1)]
         lay.stash = None
+        if lay.kept_rows is not None:   # a prefill-eviction composition: each row's kept tokens first
+            exact, lengths = _kept_first(exact, lay.kept_rows, lengths)
+            lay.kept_rows = None
         sink = self.schedule.sink
         rows = lengths.tolist()
         forms = []
@@ -159,6 +162,23 @@ class QuantSlots:
     def row(self, b: int, new: int) -> "_SlotRowBytes":
         """Row b once `new` decoded tokens are in the cache, for its bytes as alone."""
         return _SlotRowBytes(self, b, new)
+
+
+def _kept_first(exact, kept_rows, lengths):
+    """The exact keys and values (B, H, width, d) with each row's kept tokens (`kept_rows[b]`:
+    (1, H, n_b) indices in order per KV head; None, all its tokens) first, right-padded with
+    zeros: the prompt of n_b tokens the row holds after its eviction, and those n_b."""
+    rows = lengths.tolist()
+    kept = [torch.arange(n, device=lengths.device).expand(1, exact[0].shape[1], n) if idx is None else idx
+            for idx, n in zip(kept_rows, rows)]
+    width = max(idx.shape[-1] for idx in kept)
+    out = []
+    for x in exact:
+        buf = x.new_zeros(x.shape[0], x.shape[1], width, x.shape[-1])
+        for b, idx in enumerate(kept):
+            buf[b, :, :idx.shape[-1]] = x[b].gather(1, idx[0, :, :, None].expand(-1, -1, x.shape[-1]))
+        out.append(buf)
+    return out, torch.tensor([idx.shape[-1] for idx in kept], device=lengths.device)
 
 
 class _SlotRowBytes:

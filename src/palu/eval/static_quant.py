@@ -72,7 +72,7 @@ def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set
         lengths = mask.long().sum(-1)
         ids = ids.gather(1, torch.argsort((mask == 0).to(torch.int8), dim=-1, stable=True))
         steps = torch.arange(width, device=device)
-        cache.stash_prompt()
+        cache.stash_prompt(lengths.tolist())
         hidden = model.get_decoder()(input_ids=ids, position_ids=steps.expand(B, -1), past_key_values=cache,
                                      cache_position=steps, use_cache=True).last_hidden_state
         logits = model.get_output_embeddings()(hidden[torch.arange(B, device=device), lengths - 1])
@@ -97,9 +97,8 @@ def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set
 
 
 def right_padded_prefill(model, method) -> bool:
-    """Whether a padded batch prefills right-padded (`greedy_static_quant`): not for a composition
-    that evicts after its prefill (SnapKV scores each row's last queries: its rows stay apart),
-    and only for the families whose logits are the output embedding of the decoder's last hidden
+    """Whether a padded batch prefills right-padded (`greedy_static_quant`): a composition that
+    evicts after its prefill (KIVI + SnapKV) only with PALU_STATIC_DECODE=all, and only for the families whose logits are the output embedding of the decoder's last hidden
     state (`static_decode.FAMILIES`: no soft-capping or scaling after it). By default
     (PALU_STATIC_DECODE=1) for a code that counts tokens (KIVI's window and key blocks, whose
     left-padded prefill keeps the rows apart) since the H100 check of session 46
@@ -110,7 +109,11 @@ def right_padded_prefill(model, method) -> bool:
     prefills a left-padded batch in one set of tensors anyway; right-padded for it with
     PALU_STATIC_DECODE=all (unchecked on a GPU). Both prefills are exact per row in float64."""
     switch = _switch()
-    if switch not in ("1", "all") or getattr(method, "eviction", None) is not None \
-            or model.config.model_type not in FAMILIES:
+    if switch not in ("1", "all") or model.config.model_type not in FAMILIES:
         return False
+    if getattr(method, "eviction", None) is not None:
+        # each row chooses among its own first n_b tokens with its last queries, the slots keep
+        # what it chose (`QuantKVAttention._evict`, `QuantSlots._row_forms`): exact per row in
+        # float64, opt-in until a GPU run checks it against each prompt alone
+        return switch == "all"
     return switch == "all" or method.make_cache(model).layers[0].counts_tokens
