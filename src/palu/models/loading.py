@@ -109,6 +109,9 @@ def load_config(model_id: str):
     return config
 
 
+_GGUF_GEOMETRY: dict = {}   # (file, size, mtime) -> Geometry (frozen)
+
+
 def load_geometry(model_id: str):
     """The attention shapes (`adapters.Geometry`) of a model, for planning work. A local folder's
     `config.json` is read as JSON: importing transformers' config classes takes seconds, and a
@@ -118,6 +121,15 @@ def load_geometry(model_id: str):
 
     from .adapters import geometry_of
     src = resolve_source(model_id)
+    if src.kind == "gguf":
+        # transformers parses the whole file's metadata (the tokenizer's arrays too): ~5 s for
+        # the embedded SmolLM2, paid once per file as it is now (a grid plans with it often)
+        gguf = Path(src.path) / src.gguf_file if src.gguf_file else Path(src.path)
+        stat = gguf.stat()
+        key = (str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in _GGUF_GEOMETRY:
+            _GGUF_GEOMETRY[key] = geometry_of(load_config(model_id))
+        return _GGUF_GEOMETRY[key]
     if src.kind != "hf_folder":
         return geometry_of(load_config(model_id))
     config = SimpleNamespace(**json.loads((Path(src.path) / "config.json").read_text()))
