@@ -230,3 +230,20 @@ def test_non_finite_factors_and_statistics_are_refused_at_save_and_load(tmp_path
     save_file({"gram": 2 * torch.eye(3)}, str(tmp_path / "g.safetensors"), metadata=meta)
     with pytest.raises(IntegrityError, match="tensors were changed"):
         load_stats(tmp_path / "g.safetensors", "Gram")
+
+
+def test_the_source_hash_is_the_one_by_one_digest_of_float32_bytes():
+    """`sha256_in_order` overlaps copies with hashing: the digest must stay the sequential one
+    (checkpoints made before record it), for any dtype, a transposed view and no tensor at all."""
+    import hashlib
+
+    from palu.decompose.checkpoint import sha256_in_order
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(33, 17, generator=g).half(), torch.randn(8, 5, generator=g).bfloat16(),
+               torch.randn(6, 9, generator=g).t(), torch.randn(3, generator=g, dtype=torch.float64)]
+    want = hashlib.sha256()
+    for w in weights:
+        want.update(w.float().contiguous().numpy().tobytes())
+    assert sha256_in_order(weights) == want.hexdigest()
+    assert sha256_in_order(weights[::-1]) != want.hexdigest()
+    assert sha256_in_order([]) == hashlib.sha256().hexdigest()

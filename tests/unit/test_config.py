@@ -354,6 +354,8 @@ def test_a_grid_value_that_a_shell_would_read_is_refused_before_any_job(tmp_path
     import re
     with pytest.raises(ValueError, match=re.escape(f"grid.{key}") + ".*a grid value may hold only"):
         Grid(grid)
+    if key != "work":   # Snakemake's plan reads the grid through `Grid` (above): one run shows it stops
+        return
     conf = tmp_path / "grid.yaml"
     conf.write_text(yaml.safe_dump(grid))
     root = Path(CONF_DIR).resolve().parent

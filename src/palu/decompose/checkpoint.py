@@ -7,6 +7,7 @@ model fails with both hashes; a factors file whose bytes changed (same size or n
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -50,13 +51,28 @@ class CheckpointError(ValueError):
 def source_hash(model) -> str:
     """sha256 over the float32 bytes of every attention projection weight, in layer order."""
     adapter = adapter_for(model.config)
-    h = hashlib.sha256()
+    weights = []
     for layer in adapter.layers(model):
         attn = adapter.attention(layer)
         if getattr(attn, "stores_latents", False) or getattr(attn, "quantises_kv", False):
             raise CheckpointError("the model already has Palu attention installed; load a fresh base model")
-        for proj in adapter.projections(attn):
-            h.update(proj.weight.detach().float().cpu().contiguous().numpy().tobytes())
+        weights += [proj.weight for proj in adapter.projections(attn)]
+    return sha256_in_order(weights)
+
+
+def sha256_in_order(weights) -> str:
+    """sha256 over each tensor's float32 bytes, in order: the next one's conversion and copy to the
+    host overlap this one's hashing (hashlib lets go of the GIL), and the hash reads the array's
+    buffer without a bytes copy. The digest is the one-by-one loop's; a 7B model's every job
+    checks it (16 s of its 20-s install on an H100 one by one, `results/tables/scale.md`)."""
+    h = hashlib.sha256()
+    with ThreadPoolExecutor(1) as pool:
+        host = lambda w: w.detach().float().cpu().contiguous().numpy()   # noqa: E731
+        pending = pool.submit(host, weights[0]) if weights else None
+        for i in range(len(weights)):
+            array = pending.result()
+            pending = pool.submit(host, weights[i + 1]) if i + 1 < len(weights) else None
+            h.update(array)
     return h.hexdigest()
 
 
