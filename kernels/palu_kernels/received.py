@@ -62,7 +62,7 @@ def _lse(Q, K, QP, KP, LSE, s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, Hq, rep, H, T, S
     """Each query's log-sum-exp (base 2, of scale2-scaled scores) over the keys it sees; +inf
     for a query that sees none (so pass 2 adds exp2(-inf) = 0 for it)."""
     chunk, bh = tl.program_id(0), tl.program_id(1)
-    b, hq = bh // Hq, bh % Hq
+    b, hq = (bh // Hq).to(tl.int64), bh % Hq   # int64 offsets: B x Hq x T x D passes 2^31 at long contexts
     h = hq // rep
     t = chunk * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
@@ -89,7 +89,7 @@ def _lse(Q, K, QP, KP, LSE, s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, Hq, rep, H, T, S
 def _received(Q, K, QP, KP, LSE, OUT, s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, Hq, rep, H, T, S, scale2,
               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     chunk, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // H, bh % H
+    b, h = (bh // H).to(tl.int64), bh % H
     n0 = chunk * BLOCK_N
     j = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
