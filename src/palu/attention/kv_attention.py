@@ -82,7 +82,7 @@ class QuantKVAttention(FullHeads):
         queries, and its row layer holds what that prompt alone would. A right-padded one (the
         slots' prefill) chooses the same per row and leaves the holding to the slots."""
         scale = self.softmax_scale()
-        if layer.stash is not None and layer.stash_lengths is not None:
+        if layer.stash is not None:
             # a right-padded prefill: row b's tokens and queries are its first n_b; its choice is
             # kept for the slots, which gather its exact tokens (`QuantSlots._row_forms`)
             layer.kept_rows = [eviction.keep(self.layer_idx, q[b:b + 1, :, :n], k[b:b + 1, :, :n], None, n,

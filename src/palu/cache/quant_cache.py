@@ -520,7 +520,7 @@ class QuantKVCache(Cache):
              window: int | None = None, banded: bool = False):
         return self.layers[layer_idx].step(keys, values, positions, attention_mask, window, self.owner, banded)
 
-    def stash_prompt(self, lengths: list[int] | None = None) -> None:
+    def stash_prompt(self, lengths: list[int]) -> None:
         """Keep the exact keys and values of the next steps in every layer (`QuantKVLayer.stash`),
         for preallocated slots to code per row after a right-padded prefill whose rows hold
         `lengths` real tokens (a prefill-eviction composition then chooses each row's tokens among

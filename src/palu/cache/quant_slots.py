@@ -90,7 +90,7 @@ class QuantSlots:
         its first token), kept for row b's tokens [sink, quantised_end(n_b)), exact elsewhere."""
         if not lay.stash:
             raise ValueError(f"layer {lay.layer_idx}: a right-padded prefill keeps its exact keys and "
-                             "values (cache.stash_prompt() before it)")
+                             "values (cache.stash_prompt(lengths) before it)")
         exact = [torch.cat([step[k] for step in lay.stash], 2) for k in (0, 1)]
         lay.stash = None
         if lay.kept_rows is not None:   # a prefill-eviction composition: each row's kept tokens first

@@ -124,7 +124,7 @@ def load_geometry(model_id: str):
     if src.kind == "gguf":
         # transformers parses the whole file's metadata (the tokenizer's arrays too): ~5 s for
         # the embedded SmolLM2, paid once per file as it is now (a grid plans with it often)
-        gguf = Path(src.path) / src.gguf_file if src.gguf_file else Path(src.path)
+        gguf = Path(src.path) / src.gguf_file
         stat = gguf.stat()
         key = (str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)
         if key not in _GGUF_GEOMETRY:
