@@ -177,6 +177,23 @@ PAD = 0
 PROMPTS = [[5, 17, 23, 42, 8, 61, 3], [9, 11, 2, 77, 31, 45, 12, 50, 66, 14, 29, 70], [4, 88, 19]]
 
 
+# six prompts of 3 to 12 tokens, for batches whose ended rows leave (static_decode.shrink_rows)
+SIX_PROMPTS = PROMPTS + [p[::-1] for p in PROMPTS]
+
+
+def stop_that_shrinks(free: list[list[int]], steps: int):
+    """Stop tokens under which two rows of a batch's free answers `free` never stop in `steps`
+    tokens and at least half the rest stop by their third (so a replayed batch drops them), and
+    each row's step of its first stop token (steps - 1: none)."""
+    import itertools
+    for a, b in itertools.combinations(range(len(free)), 2):
+        stop = {n[1] for r, n in enumerate(free) if r not in (a, b)} - set(free[a] + free[b])
+        ends = [next((k for k, t in enumerate(n) if t in stop), steps - 1) for n in free]
+        if 2 * sum(e <= 2 for e in ends) >= len(free):
+            return stop, ends
+    raise AssertionError(f"no stop tokens end half of these answers early: {free}")
+
+
 def left_padded(prompts, pad: int = PAD):
     import torch
     width = max(map(len, prompts))

@@ -78,6 +78,62 @@ def test_rows_stop_at_their_first_stop_token_as_in_the_eager_loop():
     assert len(new[2]) == 1 and len(new[1]) <= 3
 
 
+# six rows whose free answers (tiny llama, seed 0) meet SHRINKING's stop tokens at their second or
+# third token, but for rows 1 and 4, which never do in 12 steps: after step 1, 3 of 6 rows live
+SIX = PROMPTS + [p[::-1] for p in PROMPTS]
+SHRINKING = {8, 73, 82}
+
+
+def test_ended_rows_leave_the_batch_and_the_rest_decode_as_before():
+    """Once at most half the batch is live the step keeps only the live rows (a GPU captures it
+    again): their logits within 1e-9 of the batch that kept every row, the answers the eager loop's."""
+    model = _model("llama", "sdpa")
+    ids, mask = left_padded(SIX)
+    full = []
+    free, _ = static_decode.greedy_static(model, ids, mask, 12, set(), graph=False, trace=full)
+    ends = [next((k for k, t in enumerate(n) if t in SHRINKING), 11) for n in free]
+    assert ends == [2, 11, 1, 1, 11, 1], "the tiny model changed: pick SHRINKING again"
+    trace = []
+    new, cache = static_decode.greedy_static(model, ids, mask, 12, SHRINKING, graph=False, trace=trace)
+    eager = generation._decode_dropping_ended_rows(model, generation.DynamicCache(), ids, mask, 12, SHRINKING)
+    assert new == [n for n, _ in eager]
+    # rows 2, 3, 5 left after step 1 (3 of 6 live); row 0 ended at step 2 but stays (2 of 3 live)
+    assert cache.layers[0].keys.shape[0] == 3 and cache.layers[-1].values.shape[0] == 3
+    assert len(trace) == 12
+    for k, (ours, ref) in enumerate(zip(trace, full)):
+        for row, end in enumerate(ends):
+            if k <= end:
+                assert (ours[row] - ref[row]).abs().max().item() < 1e-9, f"row {row} step {k}"
+        assert torch.isnan(ours[[2, 3, 5]]).all() == (k > 1)
+
+
+def test_shrinking_waits_for_half_the_batch_and_enough_steps():
+    done = [True, False, True, False]
+    assert static_decode.shrink_rows(done, [0, 1, 2, 3], 1, 12) == [1, 3]
+    assert static_decode.shrink_rows([True, False, False, False], [0, 1, 2, 3], 1, 12) is None   # 3 of 4 live
+    assert static_decode.shrink_rows(done, [0, 1, 2, 3], 8, 12) is None    # 3 steps left
+    assert static_decode.shrink_rows([True] * 4, [0, 1, 2, 3], 1, 12) is None   # nothing to keep
+    assert static_decode.shrink_rows(done, [1, 3], 2, 12) is None           # both live
+
+
+def test_answers_and_bytes_equal_the_eager_loops_for_fp16_as_rows_leave():
+    model = _model("llama", "sdpa")
+    method = build_method({"name": "fp16"})
+
+    class Tok:
+        pad_token_id, eos_token_id = PAD, None
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    ids, mask = left_padded(SIX)
+    ours = generation._generate_static(model, Tok(), method, SIX, 12, ids, mask, SHRINKING)
+    dynamic = generation.DynamicCache()
+    eager = generation._decode_dropping_ended_rows(model, dynamic, ids, mask, 12, SHRINKING,
+                                                   generation._RowBytesNow(method, dynamic, SIX))
+    assert [a for a, _ in ours] == [" ".join(map(str, n)) for n, _ in eager]
+    assert [b for _, b in ours] == [b for _, b in eager]
+
+
 def test_answers_and_bytes_equal_the_eager_loops_for_fp16():
     model = _model("llama", "sdpa")
     method = build_method({"name": "fp16"})

@@ -11,8 +11,8 @@ fewer led by filler slots); here each layer gets min(cap + 1, held + new) slots.
 softmax written out: its weights are TOVA's votes), then a head holding cap + 1 tokens drops
 `policy.slot_victim` (which becomes its free slot) and any other head's free slot is its first
 empty one. Same tokens held as the eager cache's `keep`, in another slot order (attention does
-not depend on it; the float64 tests compare with each prompt alone). Rows that end keep decoding
-(their later tokens are dropped by the caller; their bytes are counted at their end)."""
+not depend on it; the float64 tests compare with each prompt alone). Rows that end leave the
+batch once at most half of it is live (`select_rows`; their bytes are counted as they leave)."""
 from __future__ import annotations
 
 import torch
@@ -48,6 +48,15 @@ class EvictingSlots:
             self.counts.append(held[:, 0].sum(-1))                                # (B,) tokens kept
             if policy.accumulates:
                 self.accumulated.append(self._accumulated(cache, i, held, width))
+        self.layers = cache.layers   # their views of the slots follow `select_rows`
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (a device index, in order): the rows that ended leave."""
+        for name in ("keys", "values", "positions", "held", "free", "counts", "accumulated"):
+            setattr(self, name, [t[rows] for t in getattr(self, name)])
+        for lay, keys, values in zip(self.layers, self.keys, self.values):
+            n = lay.keys.shape[2]
+            lay.keys, lay.values = keys[:, :, :n], values[:, :, :n]   # views again: the old slots are freed
 
     @staticmethod
     def _accumulated(cache, layer: int, held: torch.Tensor, width: int) -> torch.Tensor:
@@ -99,8 +108,9 @@ class EvictingSlots:
     def advance(self) -> None:
         """Nothing: each head's next slot is found on the device."""
 
-    def row_tokens(self, new: list[int]) -> list[list[int]]:
-        """Each row's tokens per layer once it has decoded `new[b]` tokens into the cache: a head
-        that held c tokens holds min(c + new[b], cap) (a step adds one and, past the cap, drops one)."""
+    def row_tokens(self, new: dict[int, int]) -> dict[int, list[int]]:
+        """Row b's tokens per layer (b in `new`: a place in the batch) once it has decoded `new[b]`
+        tokens into the cache: a head that held c tokens holds min(c + new[b], cap) (a step adds
+        one and, past the cap, drops one)."""
         kept = torch.stack(self.counts).tolist()                                   # (layers, B)
-        return [[min(layer[b] + extra, self.cap) for layer in kept] for b, extra in enumerate(new)]
+        return {b: [min(layer[b] + extra, self.cap) for layer in kept] for b, extra in new.items()}

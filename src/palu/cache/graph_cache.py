@@ -24,7 +24,7 @@ from palu.quant.packed import (KERNEL_BITS, UNQUANTISED, QuantLatent, dequantize
                                quantize_latent)
 from ..models.adapters import sliding_window_of
 from .protocol import causal_mask, check_latent_model
-from .slots import slot_buffer, slot_nbytes, slot_range
+from .slots import slot_buffer, slot_nbytes, slot_range, slot_rows
 
 
 def _capturing() -> bool:
@@ -207,6 +207,14 @@ class GraphLatentCache(Cache):
                              "prefilled); prefill the right-padded batch first")
         self.lengths.copy_(lengths)
         self.ragged = True
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (a device index, in order): the rows that ended leave.
+        Graphs captured before read the old buffers: capture again."""
+        for layer in self.layers:
+            layer.keys, layer.values = slot_rows(layer.keys, rows), slot_rows(layer.values, rows)
+        self.lengths, self.offsets = self.lengths[rows], self.offsets[rows]
+        self.batch = len(rows)
 
     def update_latent(self, hk: torch.Tensor, hv: torch.Tensor, positions: torch.Tensor,
                       layer_idx: int) -> int:

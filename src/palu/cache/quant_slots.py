@@ -159,6 +159,14 @@ class QuantSlots:
         coded = codec.roundtrip(exact, layer)
         buf.scatter_(2, where, torch.where(grows[:, None, None, None], coded, exact))
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (a device index, in order): the rows that ended leave."""
+        places = rows.tolist()
+        for name in ("keys", "values", "masks", "starts", "counts"):
+            setattr(self, name, [t[rows] for t in getattr(self, name)])
+        self.held = [[held[i] for i in places] for held in self.held]
+        self._due.clear()
+
     def row(self, b: int, new: int) -> "_SlotRowBytes":
         """Row b once `new` decoded tokens are in the cache, for its bytes as alone."""
         return _SlotRowBytes(self, b, new)

@@ -27,6 +27,13 @@ def slot_range(buf, start: int, stop: int):
     return buf[:, :, start:stop]
 
 
+def slot_rows(buf, rows: torch.Tensor):
+    """The batch rows `rows` of a slot buffer (a copy: the rows that leave are freed)."""
+    if isinstance(buf, QuantLatent):
+        return QuantLatent(buf.data[rows], buf.scale[rows], buf.zero[rows], buf.bits, buf.rank)
+    return buf[rows]
+
+
 def slot_nbytes(buf) -> int:
     """Bytes held, packed data, scales and zero points included."""
     return buf.nbytes() if isinstance(buf, QuantLatent) else buf.numel() * buf.element_size()

@@ -9,7 +9,7 @@ layer's n slots are copied into a buffer with room for every new token, and a (B
 mask marks the slots a row may read (its kept tokens; the fillers are the same slots in every KV
 head of a row, since a layer's budget is per row, not per head). A step writes every row's token
 at slot n + step and opens that column: one shape, no host read, the same for every row.
-Rows that end keep decoding (their later tokens are dropped by the caller)."""
+Rows that end leave the batch once at most half of it is live (`select_rows`)."""
 from __future__ import annotations
 
 import torch
@@ -56,6 +56,18 @@ class SubsetSlots:
                 self.bounds = [self.policy.page_bounds(self.policy.aligned(k, self.pads), w - self.pads)
                                for k, w in zip(self.keys, self.widths)]
         self.new_tokens = new_tokens
+        self.layers = cache.layers
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch rows `rows` (a device index, in order): the rows that ended leave."""
+        for name in ("keys", "values", "masks", "counts"):
+            setattr(self, name, [t[rows] for t in getattr(self, name)])
+        for lay, keys, values, n in zip(self.layers, self.keys, self.values, self.widths):
+            lay.keys, lay.values = keys[:, :, :n], values[:, :, :n]   # views again: the old slots are freed
+        if self.policy is not None:
+            self.pads = self.pads[rows]
+            if self.bounds is not None:
+                self.bounds = [(lo[rows], hi[rows]) for lo, hi in self.bounds]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Every row's new token (B, H, 1, d) at the layer's next slot, its column opened: the
@@ -87,7 +99,8 @@ class SubsetSlots:
     def advance(self) -> None:
         self.step.add_(1)
 
-    def row_tokens(self, new: list[int]) -> list[list[int]]:
-        """Each row's tokens per layer once it has decoded `new[b]` tokens into the cache."""
+    def row_tokens(self, new: dict[int, int]) -> dict[int, list[int]]:
+        """Row b's tokens per layer (b in `new`: a place in the batch) once it has decoded `new[b]`
+        tokens into the cache."""
         kept = torch.stack(self.counts).tolist()                                   # (layers, B)
-        return [[layer[b] + extra for layer in kept] for b, extra in enumerate(new)]
+        return {b: [layer[b] + extra for layer in kept] for b, extra in new.items()}

@@ -167,8 +167,9 @@ def _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mas
     new, cache = static_decode.greedy_static(model, ids, mask, max_new_tokens, stop)
     held = None if method is None else method.cache_nbytes(cache)
     total = ids.shape[1] + max_new_tokens
+    rows = cache.layers[0].keys.shape[0]   # the rows still held: fewer where ended rows left
     return [(tokenizer.decode(n, skip_special_tokens=True),
-             _row_bytes(held, len(p) + len(n) - 1, len(prompts), total, method)) for p, n in zip(prompts, new)]
+             _row_bytes(held, len(p) + len(n) - 1, rows, total, method)) for p, n in zip(prompts, new)]
 
 
 def _generate_static_latent(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):

@@ -16,10 +16,11 @@ tile, so the keys and values are read once instead of copied per query head (tra
 them whenever a mask is given); on a GPU through `palu_kernels.dense_decode` (split over the
 sequence; SDPA's masked kernel parallelises over rows and heads only), elsewhere through SDPA.
 
-Rows that end stay in the batch (the graph has one shape); their later tokens are dropped. Where
-the model or method does not fit (`unsupported`) the caller keeps the eager loop; where capture
-fails, the same static step runs eagerly (logged once). The eager static step is what the CPU
-tests compare with the dynamic-cache loop in float64.
+Rows that end stay in the batch until at most half of it is live (`shrink_rows`; a graph has one
+shape): then the step's tensors and the cache keep the live rows only, and the step is captured
+again at the smaller batch. Where the model or method does not fit (`unsupported`) the caller
+keeps the eager loop; where capture fails, the same static step runs eagerly (logged once). The
+eager static step is what the CPU tests compare with the dynamic-cache loop in float64.
 """
 from __future__ import annotations
 
@@ -135,6 +136,13 @@ class _Step:
         self.tok = first.clone()
         self.logits = None
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch's `rows` (a device index, in order): the cache's and the step's."""
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            layer.batch_size = len(rows)
+        self.mask, self.x, self.pos, self.tok = self.mask[rows], self.x[rows], self.pos[rows], self.tok[rows]
+
     def __call__(self) -> None:
         self.mask.index_fill_(3, self.cpos, self.opened)
         logits = self.model(input_ids=self.x, attention_mask=self.mask, position_ids=self.pos,
@@ -157,6 +165,11 @@ class SlotStep:
         self.x, self.pos = first[:, None].clone(), pos.clone()
         self.one = torch.ones(first.shape[0], 1, 1, 1, dtype=torch.bool, device=first.device)
         self.logits = None
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the batch's `rows` (a device index, in order): the slots' and the step's."""
+        self.cache.slots.select_rows(rows)
+        self.x, self.pos, self.one = self.x[rows], self.pos[rows], self.one[rows]
 
     def __call__(self) -> None:
         # the 4-D mask is passed through unread: each layer masks its rows by its slots
@@ -232,28 +245,71 @@ def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool 
     return new, cache
 
 
-def replay_steps(step, tokens, first, max_new_tokens: int, stop: set, graph: bool, trace: list | None):
+# a replayed batch drops its ended rows once at most this share of it is live and at least
+# SHRINK_STEPS steps remain: a new capture (one eager step and the capture, ~2 steps' time) then
+# pays for itself in a few steps of a batch half as large
+SHRINK_LIVE = 0.5
+SHRINK_STEPS = 4
+
+
+def shrink_rows(done: list, live: list, k: int, max_new_tokens: int) -> list[int] | None:
+    """The places in the batch (whose rows are `live`, indices into `done`) of the rows to keep
+    after step k, or None to keep the batch as it is."""
+    keep = [i for i, r in enumerate(live) if not done[r]]
+    if not keep or len(keep) > SHRINK_LIVE * len(live) or max_new_tokens - 1 - k < SHRINK_STEPS:
+        return None
+    return keep
+
+
+def with_all_rows(logits: torch.Tensor, live: list, batch: int) -> torch.Tensor:
+    """A step's logits of the live rows placed in the whole batch's (NaN at dropped rows): a trace
+    keeps one shape."""
+    if len(live) == batch:
+        return logits.clone()
+    full = logits.new_full((batch, logits.shape[-1]), float("nan"))
+    full[torch.as_tensor(live, device=logits.device)] = logits
+    return full
+
+
+def replay_steps(step, tokens, first, max_new_tokens: int, stop: set, graph: bool, trace: list | None,
+                 leaving=None):
     """Each row's new tokens from `first` on: `step()` run once eagerly and captured (`graph`), then
     replayed, until every row has stopped or `max_new_tokens` are out; `tokens()` the step's new
-    tokens (B,), `step.logits` its logits (appended to `trace`)."""
+    tokens (one per live row), `step.logits` its logits (appended to `trace`, NaN at rows gone).
+    A step with `select_rows` loses its ended rows as `shrink_rows` says (then captured again).
+    `leaving(rows)`: told of each row as it leaves the batch and of the rest at the end, as
+    (index in `new`, place in the batch, tokens decoded), for the bytes a row holds when it ends."""
     new = [[t] for t in first.tolist()]
     done = [t in stop for t, in new]
+    live = list(range(len(new)))     # the step's rows: their indices in `new`
     replay = None
     for k in range(1, max_new_tokens):
         if all(done):
             break
-        if replay is None and graph and k == 1:
-            replay = _capture(step) or step   # runs step k eagerly first
+        if replay is None and graph:
+            replay = _capture(step)   # runs step k eagerly first
+            graph = replay is not None
         elif replay is None:
             step()
         else:
             replay()
         if trace is not None:
-            trace.append(step.logits.clone())
-        for r, t in enumerate(tokens().tolist()):
+            trace.append(with_all_rows(step.logits, live, len(new)))
+        for i, t in enumerate(tokens().tolist()):
+            r = live[i]
             if not done[r]:
                 new[r].append(t)
                 done[r] = t in stop
+        keep = shrink_rows(done, live, k, max_new_tokens) if hasattr(step, "select_rows") else None
+        if keep is not None:
+            if leaving is not None:
+                kept = set(keep)
+                leaving([(r, i, len(new[r])) for i, r in enumerate(live) if i not in kept])
+            step.select_rows(torch.tensor(keep, device=first.device))
+            live = [live[i] for i in keep]
+            replay = None
+    if leaving is not None:
+        leaving([(r, i, len(new[r])) for i, r in enumerate(live)])
     return new
 
 
@@ -286,7 +342,8 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
     """`greedy_static` for Palu: the latents in a `GraphLatentCache` (preallocated slots, each
     row masked by its own length), the batch prefilled right-padded, then one token a row a step
     at the row's own slot, the step replayed as a CUDA graph per bucket of slots read
-    (`palu.graph_decoding`). Returns each row's new tokens and the cache."""
+    (`palu.graph_decoding`); ended rows leave as `shrink_rows` says. Returns each row's new tokens
+    and the cache (of the rows still held)."""
     from ..cache.graph_cache import GraphLatentCache
     from ..graph_decoding import CapturedStep, bucket_tokens
     B, width = ids.shape
@@ -317,8 +374,9 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
         return out["logits"]
     new = [[t] for t in x[:, 0].tolist()]
     done = [t in stop for t, in new]
+    live = list(range(B))     # the batch's rows: their indices in `new`
     graphs: dict[int, object] = {}
-    for _ in range(1, max_new_tokens):
+    for k in range(1, max_new_tokens):
         if all(done):
             break
         if graph:
@@ -340,14 +398,22 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
         if not graph:
             logits = step()
         if trace is not None:
-            trace.append(logits.clone())
+            trace.append(with_all_rows(logits, live, B))
         tok = logits.argmax(-1)
-        for r, t in enumerate(tok.tolist()):
+        for i, t in enumerate(tok.tolist()):
+            r = live[i]
             if not done[r]:
                 new[r].append(t)
                 done[r] = t in stop
         x.copy_(tok[:, None])
         pos.add_(1)
+        keep = shrink_rows(done, live, k, max_new_tokens)
+        if keep is not None:   # the ended rows leave; each bucket is captured again at the new batch
+            rows = torch.tensor(keep, device=device)
+            cache.select_rows(rows)
+            x, pos, one = x[rows], pos[rows], one[rows]
+            live = [live[i] for i in keep]
+            graphs.clear()
     return new, cache
 
 

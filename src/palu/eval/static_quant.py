@@ -91,8 +91,12 @@ def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set
         trace.append(logits)
     first = logits.argmax(-1)
     step = SlotStep(model, cache, first, pos)
-    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
-    held = [method.cache_nbytes(cache.slots.row(b, len(n) - 1)) for b, n in enumerate(new)]
+    held = [None] * B
+
+    def leaving(rows):   # a row holds its prompt and every new token but the last
+        for r, place, n in rows:
+            held[r] = method.cache_nbytes(cache.slots.row(place, n - 1))
+    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace, leaving)
     return new, held
 
 

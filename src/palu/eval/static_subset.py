@@ -79,8 +79,13 @@ def greedy_static_subset(model, method, ids, mask, max_new_tokens: int, stop: se
                    else SubsetSlots(cache, max_new_tokens, policy))
     first = logits.argmax(-1)
     step = SlotStep(model, cache, first, pos[:, -1:] + 1)
-    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace)
-    held = [row_nbytes(method, cache, tokens) for tokens in cache.slots.row_tokens([len(n) - 1 for n in new])]
+    held = [None] * B
+
+    def leaving(rows):   # a row holds its kept prompt tokens and every new token but the last
+        tokens = cache.slots.row_tokens({place: n - 1 for _, place, n in rows})
+        for r, place, _ in rows:
+            held[r] = row_nbytes(method, cache, tokens[place])
+    new = replay_steps(step, lambda: step.x[:, 0], first, max_new_tokens, stop, graph, trace, leaving)
     return new, held
 
 
