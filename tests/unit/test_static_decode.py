@@ -116,6 +116,13 @@ def test_shrinking_waits_for_half_the_batch_and_enough_steps():
     assert static_decode.shrink_rows(done, [1, 3], 2, 12) is None           # both live
 
 
+def test_replayed_graphs_shrink_only_when_asked(monkeypatch):
+    monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
+    assert static_decode.shrinks(graph=False) and not static_decode.shrinks(graph=True)
+    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
+    assert static_decode.shrinks(graph=True)
+
+
 def test_answers_and_bytes_equal_the_eager_loops_for_fp16_as_rows_leave():
     model = _model("llama", "sdpa")
     method = build_method({"name": "fp16"})

@@ -18,7 +18,7 @@ sequence; SDPA's masked kernel parallelises over rows and heads only), elsewhere
 
 Rows that end stay in the batch until at most half of it is live (`shrink_rows`; a graph has one
 shape): then the step's tensors and the cache keep the live rows only, and the step is captured
-again at the smaller batch. Where the model or method does not fit (`unsupported`) the caller
+again at the smaller batch (replayed graphs: with PALU_STATIC_DECODE=all until a GPU checks it). Where the model or method does not fit (`unsupported`) the caller
 keeps the eager loop; where capture fails, the same static step runs eagerly (logged once). The
 eager static step is what the CPU tests compare with the dynamic-cache loop in float64.
 """
@@ -252,6 +252,13 @@ SHRINK_LIVE = 0.5
 SHRINK_STEPS = 4
 
 
+def shrinks(graph: bool) -> bool:
+    """Whether ended rows leave a batch decoded by replayed graphs (`graph`) or by the same steps
+    run eagerly: eager steps always (the float64 tests' path); graphs, captured again at each new
+    batch, with PALU_STATIC_DECODE=all until a GPU run (`shrink_check.py`) checks them."""
+    return not graph or _switch() == "all"
+
+
 def shrink_rows(done: list, live: list, k: int, max_new_tokens: int) -> list[int] | None:
     """The places in the batch (whose rows are `live`, indices into `done`) of the rows to keep
     after step k, or None to keep the batch as it is."""
@@ -283,6 +290,7 @@ def replay_steps(step, tokens, first, max_new_tokens: int, stop: set, graph: boo
     done = [t in stop for t, in new]
     live = list(range(len(new)))     # the step's rows: their indices in `new`
     replay = None
+    shrinking = hasattr(step, "select_rows") and shrinks(graph)
     for k in range(1, max_new_tokens):
         if all(done):
             break
@@ -300,7 +308,7 @@ def replay_steps(step, tokens, first, max_new_tokens: int, stop: set, graph: boo
             if not done[r]:
                 new[r].append(t)
                 done[r] = t in stop
-        keep = shrink_rows(done, live, k, max_new_tokens) if hasattr(step, "select_rows") else None
+        keep = shrink_rows(done, live, k, max_new_tokens) if shrinking else None
         if keep is not None:
             if leaving is not None:
                 kept = set(keep)
@@ -375,6 +383,7 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
     new = [[t] for t in x[:, 0].tolist()]
     done = [t in stop for t, in new]
     live = list(range(B))     # the batch's rows: their indices in `new`
+    shrinking = shrinks(graph)
     graphs: dict[int, object] = {}
     for k in range(1, max_new_tokens):
         if all(done):
@@ -407,7 +416,7 @@ def greedy_static_latent(model, method, ids, mask, max_new_tokens: int, stop: se
                 done[r] = t in stop
         x.copy_(tok[:, None])
         pos.add_(1)
-        keep = shrink_rows(done, live, k, max_new_tokens)
+        keep = shrink_rows(done, live, k, max_new_tokens) if shrinking else None
         if keep is not None:   # the ended rows leave; each bucket is captured again at the new batch
             rows = torch.tensor(keep, device=device)
             cache.select_rows(rows)
