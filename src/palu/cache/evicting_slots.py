@@ -11,8 +11,8 @@ fewer led by filler slots); here each layer gets min(cap + 1, held + new) slots.
 softmax written out: its weights are TOVA's votes), then a head holding cap + 1 tokens drops
 `policy.slot_victim` (which becomes its free slot) and any other head's free slot is its first
 empty one. Same tokens held as the eager cache's `keep`, in another slot order (attention does
-not depend on it; the float64 tests compare with each prompt alone). Rows that end leave the
-batch once at most half of it is live (`select_rows`; their bytes are counted as they leave)."""
+not depend on it; the float64 tests compare with each prompt alone). Rows that end can leave the
+batch (`select_rows`, when `static_decode.shrinks`; their bytes are counted as they leave)."""
 from __future__ import annotations
 
 import torch

@@ -9,7 +9,7 @@ layer's n slots are copied into a buffer with room for every new token, and a (B
 mask marks the slots a row may read (its kept tokens; the fillers are the same slots in every KV
 head of a row, since a layer's budget is per row, not per head). A step writes every row's token
 at slot n + step and opens that column: one shape, no host read, the same for every row.
-Rows that end leave the batch once at most half of it is live (`select_rows`)."""
+Rows that end can leave the batch (`select_rows`, when `static_decode.shrinks`)."""
 from __future__ import annotations
 
 import torch

@@ -18,7 +18,7 @@ sequence; SDPA's masked kernel parallelises over rows and heads only), elsewhere
 
 Rows that end stay in the batch until at most half of it is live (`shrink_rows`; a graph has one
 shape): then the step's tensors and the cache keep the live rows only, and the step is captured
-again at the smaller batch (replayed graphs: with PALU_STATIC_DECODE=all until a GPU checks it). Where the model or method does not fit (`unsupported`) the caller
+again at the smaller batch (replayed graphs: only with PALU_STATIC_DECODE=all, see `shrinks`). Where the model or method does not fit (`unsupported`) the caller
 keeps the eager loop; where capture fails, the same static step runs eagerly (logged once). The
 eager static step is what the CPU tests compare with the dynamic-cache loop in float64.
 """
@@ -255,7 +255,9 @@ SHRINK_STEPS = 4
 def shrinks(graph: bool) -> bool:
     """Whether ended rows leave a batch decoded by replayed graphs (`graph`) or by the same steps
     run eagerly: eager steps always (the float64 tests' path); graphs, captured again at each new
-    batch, with PALU_STATIC_DECODE=all until a GPU run (`shrink_check.py`) checks them."""
+    batch, only with PALU_STATIC_DECODE=all: on an H100 they answered as the full batch but did not
+    pay at batch 64 x 1-4K prompts + 64 tokens (the prefill dominates; a capture costs about what
+    half a batch saves; results/checks/h100-shrink-check-random-session48.json)."""
     return not graph or _switch() == "all"
 
 
