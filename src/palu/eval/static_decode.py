@@ -18,9 +18,10 @@ sequence; SDPA's masked kernel parallelises over rows and heads only), elsewhere
 
 Rows that end stay in the batch until at most half of it is live (`shrink_rows`; a graph has one
 shape): then the step's tensors and the cache keep the live rows only, and the step is captured
-again at the smaller batch (replayed graphs: only with PALU_STATIC_DECODE=all, see `shrinks`). Where the model or method does not fit (`unsupported`) the caller
-keeps the eager loop; where capture fails, the same static step runs eagerly (logged once). The
-eager static step is what the CPU tests compare with the dynamic-cache loop in float64.
+again at the smaller batch (replayed graphs: only with PALU_STATIC_DECODE=all, see `shrinks`).
+Where the model or method does not fit (`unsupported`) the caller keeps the eager loop; where
+capture fails, the same static step runs eagerly (logged once). The eager static step is what the
+CPU tests compare with the dynamic-cache loop in float64.
 """
 from __future__ import annotations
 
@@ -245,9 +246,9 @@ def greedy_static(model, ids, mask, max_new_tokens: int, stop: set, graph: bool 
     return new, cache
 
 
-# a replayed batch drops its ended rows once at most this share of it is live and at least
-# SHRINK_STEPS steps remain: a new capture (one eager step and the capture, ~2 steps' time) then
-# pays for itself in a few steps of a batch half as large
+# a batch drops its ended rows once at most this share of it is live and at least SHRINK_STEPS
+# steps remain (for replayed graphs a new capture, one eager step and the capture, must then be
+# paid for by the steps of the smaller batch: at batch 64 on an H100 it was not, see `shrinks`)
 SHRINK_LIVE = 0.5
 SHRINK_STEPS = 4
 
