@@ -66,7 +66,7 @@ def test_answers_and_bytes_equal_the_eager_loops(tiny_base, tiny_palu_checkpoint
     assert lengths[1] <= 3 and lengths[2] == 1, lengths
 
 
-@pytest.mark.parametrize("bits", [16, 4])
+@pytest.mark.parametrize("bits", [4])   # packed slots; both kinds of buffer: test_slot_rows_keep_the_rows_asked
 def test_ended_rows_leave_the_batch_and_the_rest_decode_as_before(tiny_base, tiny_palu_checkpoint, bits):
     """Once at most half the batch is live the cache keeps the live rows only (slots, lengths; a GPU
     captures each bucket again): their logits within 1e-9 of the batch that kept every row, answers
@@ -95,6 +95,20 @@ def test_ended_rows_leave_the_batch_and_the_rest_decode_as_before(tiny_base, tin
     model.generation_config.eos_token_id = sorted(stop)   # what the eager loop stops at
     ours = generation._generate_static_latent(model, Tok(), method, six, 12, ids, mask, stop)
     assert ours == generation._generate(model, Tok(), method, six, 12)
+
+
+@pytest.mark.parametrize("bits", [16, 4, 2])
+def test_slot_rows_keep_the_rows_asked(bits):
+    from palu.cache.slots import slot_buffer, slot_nbytes, slot_rows
+    buf = slot_buffer(5, 2, 7, 8, bits, "cpu", torch.float64)
+    parts = (buf,) if bits == 16 else (buf.data, buf.scale, buf.zero)
+    for t in parts:
+        t.copy_(torch.arange(t.numel()).view(t.shape).to(t.dtype))
+    rows = torch.tensor([1, 4])
+    got = slot_rows(buf, rows)
+    for old, new in zip(parts, (got,) if bits == 16 else (got.data, got.scale, got.zero)):
+        assert torch.equal(new, old[rows])
+    assert slot_nbytes(got) * 5 == slot_nbytes(buf) * 2
 
 
 def test_who_it_serves(tiny_base, tiny_palu_checkpoint, monkeypatch):
