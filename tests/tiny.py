@@ -194,6 +194,32 @@ def stop_that_shrinks(free: list[list[int]], steps: int):
     raise AssertionError(f"no stop tokens end half of these answers early: {free}")
 
 
+class WordTok:
+    """A tokenizer stand-in for `generation`: ids decoded as numbers separated by spaces."""
+    pad_token_id, eos_token_id = PAD, None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def decode_as_rows_leave(greedy, label, steps: int = 12):
+    """`greedy(ids, mask, steps, stop, trace)` -> (answers, extra) on SIX_PROMPTS, once without stop
+    tokens and once under `stop_that_shrinks`' (half the rows end early and leave): each row's answer
+    its free one cut at its first stop token, its logits within 1e-9 of the free run's up to there.
+    Returns ids, mask, the stop tokens, the stopped run's extra and trace (NaN at rows gone)."""
+    ids, mask = left_padded(SIX_PROMPTS)
+    full, trace = [], []
+    free, _ = greedy(ids, mask, steps, set(), full)
+    stop, ends = stop_that_shrinks(free, steps)
+    new, extra = greedy(ids, mask, steps, stop, trace)
+    assert new == [n[:e + 1] for n, e in zip(free, ends)]
+    for k, (ours, ref) in enumerate(zip(trace, full)):
+        for row, end in enumerate(ends):
+            if k <= end:
+                assert (ours[row] - ref[row]).abs().max().item() < 1e-9, (label, row, k)
+    return ids, mask, stop, extra, trace
+
+
 def left_padded(prompts, pad: int = PAD):
     import torch
     width = max(map(len, prompts))

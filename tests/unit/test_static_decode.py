@@ -10,7 +10,7 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-from tiny import (PAD, PROMPTS, left_padded, tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_olmo2,
+from tiny import (PAD, PROMPTS, WordTok, left_padded, tiny_gemma3, tiny_llama, tiny_mistral_sliding, tiny_olmo2,
                   tiny_phi3, tiny_qwen2, tiny_qwen3)
 
 
@@ -127,13 +127,8 @@ def test_answers_and_bytes_equal_the_eager_loops_for_fp16_as_rows_leave():
     model = _model("llama", "sdpa")
     method = build_method({"name": "fp16"})
 
-    class Tok:
-        pad_token_id, eos_token_id = PAD, None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
     ids, mask = left_padded(SIX)
-    ours = generation._generate_static(model, Tok(), method, SIX, 12, ids, mask, SHRINKING)
+    ours = generation._generate_static(model, WordTok(), method, SIX, 12, ids, mask, SHRINKING)
     dynamic = generation.DynamicCache()
     eager = generation._decode_dropping_ended_rows(model, dynamic, ids, mask, 12, SHRINKING,
                                                    generation._RowBytesNow(method, dynamic, SIX))
@@ -145,14 +140,9 @@ def test_answers_and_bytes_equal_the_eager_loops_for_fp16():
     model = _model("llama", "sdpa")
     method = build_method({"name": "fp16"})
 
-    class Tok:
-        pad_token_id, eos_token_id = PAD, None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
     ids, mask = left_padded(PROMPTS)
-    ours = generation._generate_static(model, Tok(), method, PROMPTS, 5, ids, mask, set())
-    eager = generation._generate(model, Tok(), method, PROMPTS, 5)   # the CPU takes the eager loop
+    ours = generation._generate_static(model, WordTok(), method, PROMPTS, 5, ids, mask, set())
+    eager = generation._generate(model, WordTok(), method, PROMPTS, 5)   # the CPU takes the eager loop
     assert ours == eager
 
 

@@ -14,7 +14,7 @@ import torch
 from palu.eval import generation, static_decode
 from palu.methods import build_method
 
-from tiny import PAD, PROMPTS, SIX_PROMPTS, greedy_alone, left_padded, stop_that_shrinks
+from tiny import PAD, PROMPTS, SIX_PROMPTS, WordTok, decode_as_rows_leave, greedy_alone, left_padded
 
 
 def _palu(base, ckpt, bits, **extra):
@@ -72,29 +72,14 @@ def test_ended_rows_leave_the_batch_and_the_rest_decode_as_before(tiny_base, tin
     captures each bucket again): their logits within 1e-9 of the batch that kept every row, answers
     and bytes the eager loop's."""
     method, model = _palu(tiny_base, tiny_palu_checkpoint, bits)
-    six = SIX_PROMPTS
-    ids, mask = left_padded(six)
-    full = []
-    free, _ = static_decode.greedy_static_latent(model, method, ids, mask, 12, set(), graph=False, trace=full)
-    stop, ends = stop_that_shrinks(free, 12)
-    trace = []
-    new, cache = static_decode.greedy_static_latent(model, method, ids, mask, 12, stop, graph=False, trace=trace)
-    assert new == [n[:e + 1] for n, e in zip(free, ends)]
+    ids, mask, stop, cache, _ = decode_as_rows_leave(
+        lambda ids, mask, n, stop, trace: static_decode.greedy_static_latent(model, method, ids, mask, n, stop,
+                                                                             graph=False, trace=trace), bits)
     held = [getattr(buf, "data", buf).shape[0] for layer in cache.layers for buf in (layer.keys, layer.values)]
     assert cache.batch < 6 and set(held) == {cache.batch} and cache.lengths.shape == (cache.batch,)
-    for k, (ours, ref) in enumerate(zip(trace, full)):
-        for row, end in enumerate(ends):
-            if k <= end:
-                assert (ours[row] - ref[row]).abs().max().item() < 1e-9, (bits, row, k)
-
-    class Tok:
-        pad_token_id, eos_token_id = PAD, None
-
-        def decode(self, ids, skip_special_tokens=True):
-            return " ".join(map(str, ids))
     model.generation_config.eos_token_id = sorted(stop)   # what the eager loop stops at
-    ours = generation._generate_static_latent(model, Tok(), method, six, 12, ids, mask, stop)
-    assert ours == generation._generate(model, Tok(), method, six, 12)
+    ours = generation._generate_static_latent(model, WordTok(), method, SIX_PROMPTS, 12, ids, mask, stop)
+    assert ours == generation._generate(model, WordTok(), method, SIX_PROMPTS, 12)
 
 
 @pytest.mark.parametrize("bits", [16, 4, 2])
