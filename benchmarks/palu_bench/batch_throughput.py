@@ -15,6 +15,10 @@ timed over `ones` prompts one at a time; each other size over one batch of that 
 The share of answers that differ between batch 1 and the batch of `agree_batch` (the same
 prompts) is reported per method: fp16 reductions can flip an argmax. The JSON is rewritten after
 every measurement, so a run stopped at its time limit keeps what it measured.
+
+`model=random:smollm2-135m` (or `random:FOLDER` with a config.json), no `text=`: the model's shapes
+with random weights and random prompts (`random_subject`), for a GPU host where the real weights
+and the wheelhouse are not staged; the JSON says `"weights": "random"` and so does the table.
 """
 from __future__ import annotations
 
@@ -114,6 +118,21 @@ def _env(device: str) -> dict:
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name(0)
     return env
+
+
+def load_subject(args: dict, count: int):
+    """(model, tokenizer, token ids) to time: the model and text given, or with `model=random:...`
+    a model of those shapes with random weights and random ids (`random_subject`)."""
+    from .random_subject import is_random, random_subject
+    if is_random(args["model"]):
+        tokens = args["calib_windows"] * 1024 + args["length"] + 397 * max(count, 512) + 1
+        return random_subject(args["model"], tokens, args["dtype"], args["device"])
+    import palu
+    model, tok = palu.load_model(args["model"], dtype=args["dtype"], device=args["device"])
+    model.generation_config.eos_token_id = None       # every row generates new_tokens
+    with open(args["text"], encoding="utf-8") as fh:
+        ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
+    return model, tok, ids
 
 
 def make_prompts(token_ids: list[int], count: int, length: int, stride: int = 397) -> list[list[int]]:
@@ -268,9 +287,10 @@ def overrides(items: list[str], defaults: dict = DEFAULTS) -> dict:
         if not sep or key not in defaults:
             raise SystemExit(f"{item!r}: expected key=value with a key among {sorted(defaults)}")
         args[key] = yaml.safe_load(value)
+    from .random_subject import is_random
     for key in ("model", "text"):
-        if not args[key]:
-            raise SystemExit(f"{key}= is required")
+        if not args[key] and not (key == "text" and is_random(args["model"])):
+            raise SystemExit(f"{key}= is required" + (" (or model=random:NAME)" if key == "text" else ""))
     unknown = sorted(set(args["methods"]) - set(METHODS))
     if unknown:
         raise SystemExit(f"methods {unknown} are not among {sorted(METHODS)}")
@@ -283,23 +303,22 @@ def overrides(items: list[str], defaults: dict = DEFAULTS) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    import palu
+    from .random_subject import is_random
     if not argv:
         raise SystemExit(__doc__)
     out_dir, args = argv[0], overrides(argv[1:])
     os.makedirs(out_dir, exist_ok=True)
     run = Run(out_dir, args)
+    run.data["weights"] = "random" if is_random(args["model"]) else "real"
     device = args["device"]
-    model, tok = palu.load_model(args["model"], dtype=args["dtype"], device=device)
-    model.generation_config.eos_token_id = None       # every row generates new_tokens
-    with open(args["text"], encoding="utf-8") as fh:
-        ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
     count = max(max(args["batches"]), *[max(b) for b in args["method_batches"].values()], args["ones"],
                 args["agree_batch"])
+    model, tok, ids = load_subject(args, count)
     fits_fp16 = None
     with tempfile.TemporaryDirectory() as tmp:
         windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
-        ckpt = _checkpoint(model, windows, tmp)
+        ckpt = _checkpoint(model, windows, tmp) if any(
+            METHODS[n]["name"] == "palu" for n in args["methods"] + args["budget_methods"]) else None
         prompts = make_prompts(ids[args["calib_windows"] * 1024:], max(count, 512), args["length"])
         per_prompt = {}
         for name in args["methods"]:

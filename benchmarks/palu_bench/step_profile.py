@@ -20,6 +20,7 @@ prompt (as stored, from the answers) times the batch is what a step must read at
   python -m palu_bench.step_profile OUT_DIR model=PATH.gguf text=PATH.txt
       ['methods=[fp16,palu50-b4-graph,kivi-b2-graph]' batch=64 length=4032 steps=16 top=15]
 
+`model=random:smollm2-135m` times the model's shapes with random weights (see batch_throughput).
 On a CPU (device=cpu dtype=float32, small batch and length) it runs as a smoke test: host times
 by op instead of kernels.
 """
@@ -33,7 +34,7 @@ import time
 
 import torch
 
-from .batch_throughput import METHODS, _checkpoint, _env, _method, _sync, make_prompts
+from .batch_throughput import METHODS, _checkpoint, _env, _method, _sync, load_subject, make_prompts
 from .batch_throughput import overrides as throughput_overrides
 
 DEFAULTS = {"methods": ["fp16", "palu50-b4-graph", "kivi-b2-graph"], "batch": 64, "length": 4032,
@@ -167,21 +168,19 @@ def overrides(items: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    import palu
+    from .random_subject import is_random
     if not argv:
         raise SystemExit(__doc__)
     out_dir, args = argv[0], overrides(argv[1:])
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "step-profile.json")
     device = args["device"]
-    model, tok = palu.load_model(args["model"], dtype=args["dtype"], device=device)
-    model.generation_config.eos_token_id = None       # every row generates its tokens
-    with open(args["text"], encoding="utf-8") as fh:
-        ids = tok(fh.read(), add_special_tokens=False)["input_ids"]
-    data = {"config": args, "env": _env(device), "rows": [], "failed": []}
+    model, tok, ids = load_subject(args, args["batch"])
+    data = {"config": args, "env": _env(device), "rows": [], "failed": [],
+            "weights": "random" if is_random(args["model"]) else "real"}
     with tempfile.TemporaryDirectory() as tmp:
         windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
-        ckpt = _checkpoint(model, windows, tmp)
+        ckpt = _checkpoint(model, windows, tmp) if any(METHODS[n]["name"] == "palu" for n in args["methods"]) else None
         prompts = make_prompts(ids[args["calib_windows"] * 1024:], args["batch"], args["length"])
         for name in args["methods"]:
             try:

@@ -53,7 +53,7 @@ def throughput_outputs(inputs: list[str], prefix: str, figure: str):
     frame, meta = throughput_frame(inputs)
     write_text(f"{prefix}.csv", frame.to_csv(index=False))
     write_text(f"{prefix}.md", throughput_markdown(frame, meta))
-    throughput_figure(frame, figure)
+    throughput_figure(frame, figure, meta)
     return frame
 
 

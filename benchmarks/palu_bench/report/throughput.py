@@ -23,7 +23,7 @@ def throughput_frame(inputs: list[str]) -> tuple[pd.DataFrame, dict]:
         data = read_json(path)
         run = path.rsplit("/", 1)[-1].removesuffix(".json")
         meta[run] = {**data["config"], **data["env"], "skipped": data.get("skipped", []),
-                     "notes": data.get("notes", [])}
+                     "notes": data.get("notes", []), "weights": data.get("weights", "real")}
         for r in data["rows"]:
             agree = r.get("agreement") or {}
             kv = r.get("kv_bytes_per_prompt")
@@ -45,7 +45,10 @@ def _fmt(x, spec=".2f"):
 def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
     lines = ["# Batched evaluation throughput (issue 49)", ""]
     for run, cfg in meta.items():
-        lines.append(f"- `{run}`: {cfg.get('gpu', 'cpu')}, torch {cfg['torch']}, transformers "
+        random = cfg["weights"] == "random"
+        lines.append(f"- `{run}`: " + (f"**random weights** of `{cfg['model']}`'s shapes (random prompts: "
+                                       "times and memory hold, answers and the tokens a method keeps are "
+                                       "not the model's); " if random else "") + f"{cfg.get('gpu', 'cpu')}, torch {cfg['torch']}, transformers "
                      f"{cfg['transformers']}; prompts of {cfg['length'] - cfg['length'] // 8}-{cfg['length']} "
                      f"tokens (left-padded batches) + {cfg['new_tokens']} generated greedily, EOS off; "
                      f"{cfg['dtype']}; " + ({"full": "each shape and answer length warmed up untimed first"}.get(
@@ -81,8 +84,9 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def throughput_figure(frame: pd.DataFrame, path: str) -> None:
+def throughput_figure(frame: pd.DataFrame, path: str, meta: dict | None = None) -> None:
     """Prompts/s against batch size, one line per (path, method), a panel per run."""
+    meta_weights = {run: cfg.get("weights") for run, cfg in (meta or {}).items()}
     runs = list(dict.fromkeys(frame.run))
     cols = min(3, len(runs))           # a row of many panels shrinks each past reading
     rows = -(-len(runs) // cols)
@@ -104,7 +108,7 @@ def throughput_figure(frame: pd.DataFrame, path: str) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("batch size (prompts)")
         ax.set_ylabel("prompts / s")
-        ax.set_title(run, fontsize=9)
+        ax.set_title(run + (" (random weights)" if meta_weights.get(run) == "random" else ""), fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     fig.tight_layout()
