@@ -45,25 +45,27 @@ METHODS = {
     "kivi-b2": {"name": "kivi", "bits": 2},
     "snapkv": {"name": "snapkv", "compression_ratio": 0.5, "decode": "palu"},   # the eager loop
     "pyramidkv": {"name": "pyramidkv", "compression_ratio": 0.5, "decode": "palu"},
-    "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2048},
-    "h2o": {"name": "h2o", "budget": 2048, "window": 64},
-    "tova": {"name": "tova", "budget": 2048},
-    "quest": {"name": "quest", "page": 16, "budget": 1024},
+    # the eager loop (PALU_STATIC_DECODE=palu), as these names timed until session 49
+    "streaming_llm": {"name": "streaming_llm", "sink": 4, "window": 2048, "decode": "palu"},
+    "h2o": {"name": "h2o", "budget": 2048, "window": 64, "decode": "palu"},
+    "tova": {"name": "tova", "budget": 2048, "decode": "palu"},
+    "quest": {"name": "quest", "page": 16, "budget": 1024, "decode": "palu"},
     "kivi-b4": {"name": "kivi", "bits": 4},
     "kivi_snapkv": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5},
     # SnapKV / PyramidKV decoding in preallocated slots, replayed (the default since session 36)
     "snapkv-graph": {"name": "snapkv", "compression_ratio": 0.5},
     "pyramidkv-graph": {"name": "pyramidkv", "compression_ratio": 0.5},
-    # StreamingLLM / TOVA in evicting slots, Quest selecting in slots, replayed (opt-in until
-    # checked on a GPU: PALU_STATIC_DECODE=all)
+    # StreamingLLM / TOVA / H2O in evicting slots, Quest selecting in slots, replayed (the default
+    # since session 49, so the names without -graph take them too; `all` adds graphs recaptured
+    # as rows end, which EOS off never triggers here)
     "streaming_llm-graph": {"name": "streaming_llm", "sink": 4, "window": 2048, "decode": "all"},
     "tova-graph": {"name": "tova", "budget": 2048, "decode": "all"},
     "quest-graph": {"name": "quest", "page": 16, "budget": 1024, "decode": "all"},
     "h2o-graph": {"name": "h2o", "budget": 2048, "window": 64, "decode": "all"},
     # the quantised caches in preallocated slots, blocks coded on the device, replayed
     # (cache/quant_slots.py; the default since session 38, so `kivi-b2` above takes them too);
-    # with PALU_STATIC_DECODE=all a padded batch also prefills right-padded (KIVI's default too since
-    # session 46, so for KIVI `-graph` now times the default path; Atom / TurboQuant: opt-in)
+    # a padded batch prefills right-padded (KIVI's default since session 46, KIVI + SnapKV's, Atom's
+    # and TurboQuant's since session 49, so `-graph` now times the default path for each)
     "kivi-b2-graph": {"name": "kivi", "bits": 2, "decode": "all"},
     "kivi-b4-graph": {"name": "kivi", "bits": 4, "decode": "all"},
     # their one-pass prefill through the masked view (PALU_BANDED_PREFILL=0; banded since session 45)

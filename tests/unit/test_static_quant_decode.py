@@ -142,14 +142,14 @@ def test_who_it_serves(gqa_base, tmp_path, monkeypatch):
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
     assert static_quant.quant_enabled()        # the default since the H200 check
     kivi, model = _installed(gqa_base, "kivi", None)
-    assert static_quant.right_padded_prefill(model, kivi)   # the default since session 46's check
-    atom, model_a = _installed(gqa_base, "atom", None)      # counts no tokens: opt-in (unchecked)
-    assert not static_quant.right_padded_prefill(model_a, atom)
-    snap, model_s = _installed(gqa_base, "kivi_snapkv", None)   # evicts per row: opt-in (unchecked)
-    assert not static_quant.right_padded_prefill(model_s, snap)
-    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
-    assert static_quant.right_padded_prefill(model_a, atom) and static_quant.right_padded_prefill(model_s, snap)
-    assert static_quant.quant_enabled() and static_quant.right_padded_prefill(model, kivi)
+    atom, model_a = _installed(gqa_base, "atom", None)          # counts no tokens
+    snap, model_s = _installed(gqa_base, "kivi_snapkv", None)   # evicts per row
+    for on in (None, "1", "all"):   # right-padded by default for each since the H100 checks
+        if on:
+            monkeypatch.setenv("PALU_STATIC_DECODE", on)
+        assert static_quant.quant_enabled(), on
+        assert all(static_quant.right_padded_prefill(m, q) for m, q in
+                   ((model, kivi), (model_a, atom), (model_s, snap))), on
     for off in ("palu", "fp16", "0"):
         monkeypatch.setenv("PALU_STATIC_DECODE", off)
         assert not static_quant.quant_enabled() and not static_quant.right_padded_prefill(model, kivi), off

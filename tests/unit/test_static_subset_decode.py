@@ -111,14 +111,13 @@ def test_who_it_serves(gqa_base, monkeypatch):
     tova, _ = _installed(gqa_base, "tova")
     quest, _ = _installed(gqa_base, "quest")
     monkeypatch.delenv("PALU_STATIC_DECODE", raising=False)
-    assert static_subset.subset_enabled(snap)        # the default since the H200 check
-    assert not static_subset.subset_enabled(tova)    # evicting every step: opt-in until a GPU checks it
-    assert not static_subset.subset_enabled(quest)   # selecting: the same
-    monkeypatch.setenv("PALU_STATIC_DECODE", "all")
-    assert static_subset.subset_enabled(snap) and static_subset.subset_enabled(tova)
+    for on in (None, "1", "all"):   # kept, evicting every step, selecting: each checked on a GPU
+        if on:
+            monkeypatch.setenv("PALU_STATIC_DECODE", on)
+        assert all(static_subset.subset_enabled(m) for m in (snap, tova, quest)), on
     for off in ("palu", "fp16", "0"):
         monkeypatch.setenv("PALU_STATIC_DECODE", off)
-        assert not static_subset.subset_enabled(snap) and not static_subset.subset_enabled(tova), off
+        assert not any(static_subset.subset_enabled(m) for m in (snap, tova, quest)), off
 
 
 def test_a_slotted_cache_takes_one_token_a_step(gqa_base):

@@ -50,15 +50,16 @@ def _switch() -> str:
     value = os.environ.get("PALU_STATIC_DECODE", "1")
     if value not in SWITCH_VALUES:
         raise ValueError(f"PALU_STATIC_DECODE={value!r}: one of {sorted(SWITCH_VALUES)} "
-                         "(1: every graph path checked on a GPU; all: also those not yet checked; palu: "
+                         "(1: every graph path; all: also graphs recaptured as ended rows leave; palu: "
                          "the plain model's and Palu's; fp16: the plain model's alone; 0: none)")
     return value
 
 
-# 1 also serves SnapKV / PyramidKV through their slots (static_subset.py; on since the H200 check
-# of session 36) and KIVI / the quantised caches (static_quant.py; since session 38); palu keeps
+# 1 also serves the token-subset methods through their slots (static_subset.py; SnapKV / PyramidKV
+# since the H200 check of session 36, the evicting and selecting ones since session 49's) and the
+# quantised caches (static_quant.py; since session 38), right-padded prefill included; palu keeps
 # those on the eager loop
-# all: also StreamingLLM / TOVA through their evicting slots (not yet checked on a GPU)
+# all: also ended rows leaving replayed graphs (`shrinks`: checked, but it did not pay at batch 64)
 SWITCH_VALUES = {"0", "1", "fp16", "palu", "all"}
 
 

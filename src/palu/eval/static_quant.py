@@ -3,8 +3,8 @@ captured once as a CUDA graph and replayed (issue 49, item 4): KIVI, KIVI + Snap
 scales, Atom, TurboQuant: the methods whose codes of a block depend on that block alone.
 
 The prefill is the method's own one-pass step (`QuantKVAttention`), right-padded where the family
-allows it (`right_padded_prefill`: every row counted from its first token in one set of tensors;
-the rows' forms then coded per row from the exact keys and values), else left-padded (a padded batch's rows kept apart,
+allows it (`right_padded_prefill`, the default: every row counted from its first token in one set
+of tensors; the rows' forms then coded per row from the exact keys and values), else left-padded (a padded batch's rows kept apart,
 each counting its own sink, window and key blocks; KIVI + SnapKV evicting each row among its own
 tokens). Then every row's tokens move into preallocated slots in the form the cache holds them
 (`cache/quant_slots.py`) and each step writes every row's token at one slot, codes the
@@ -101,23 +101,18 @@ def greedy_static_quant(model, method, ids, mask, max_new_tokens: int, stop: set
 
 
 def right_padded_prefill(model, method) -> bool:
-    """Whether a padded batch prefills right-padded (`greedy_static_quant`): a composition that
-    evicts after its prefill (KIVI + SnapKV) only with PALU_STATIC_DECODE=all, and only for the families whose logits are the output embedding of the decoder's last hidden
-    state (`static_decode.FAMILIES`: no soft-capping or scaling after it). By default
-    (PALU_STATIC_DECODE=1) for a code that counts tokens (KIVI's window and key blocks, whose
-    left-padded prefill keeps the rows apart) since the H100 check of session 46
-    (`results/checks/h100-kivi-prefill-alone-session46.json`): at 64 prompts of 3.5-4K tokens
-    + 64, the first 16 rows answered alone (batch 1) equal their batch rows in 15 / 16 (KIVI-2)
-    and 16 / 16 (KIVI-4), the same as with the left-padded prefill (15 / 16, 16 / 16; the same
-    row differs), at 35.0 prompts/s against 10.1. A code that counts nothing (Atom, TurboQuant)
-    prefills a left-padded batch in one set of tensors anyway; right-padded for it with
-    PALU_STATIC_DECODE=all (unchecked on a GPU). Both prefills are exact per row in float64."""
-    switch = _switch()
-    if switch not in ("1", "all") or model.config.model_type not in FAMILIES:
-        return False
-    if getattr(method, "eviction", None) is not None:
-        # each row chooses among its own first n_b tokens with its last queries, the slots keep
-        # what it chose (`QuantKVAttention._evict`, `QuantSlots._row_forms`): exact per row in
-        # float64, opt-in until a GPU run checks it against each prompt alone
-        return switch == "all"
-    return switch == "all" or method.make_cache(model).layers[0].counts_tokens
+    """Whether a padded batch prefills right-padded (`greedy_static_quant`): by default
+    (PALU_STATIC_DECODE=1 or all) for every quantised cache of the families whose logits are the
+    output embedding of the decoder's last hidden state (`static_decode.FAMILIES`: no soft-capping
+    or scaling after it). Both prefills are exact per row in float64. Checked on an H100 at 64
+    prompts of 3.5-4K tokens + 64: KIVI in session 46 with the real weights
+    (`results/checks/h100-kivi-prefill-alone-session46.json`: the first 16 rows alone equal their
+    batch rows in 15 / 16 (KIVI-2) and 16 / 16 (KIVI-4), as with the left-padded prefill, at 35.0
+    against 10.1 prompts/s); KIVI + SnapKV (each row choosing among its own first tokens with its
+    own last queries: `QuantKVAttention._evict`, `QuantSlots._row_forms`), Atom and TurboQuant in
+    session 49 with SmolLM2's shapes and random weights
+    (`results/throughput/h100-smollm2-random-4k-*session49.json`): answers differing between batch 1
+    and 64, right- against left-padded, KIVI + SnapKV 2 / 2 of 24 at 30.5 against 7.2 prompts/s,
+    TurboQuant 4 / 6 of 24 at 28.9 against 24.0, Atom 0 / 0 of 8 at 39.9 against 31.5 (FP16 4 of 24,
+    3 of 8: near-tied argmaxes flip at another batch shape in fp16)."""
+    return _switch() in ("1", "all") and model.config.model_type in FAMILIES

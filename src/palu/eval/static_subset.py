@@ -22,17 +22,18 @@ from .static_decode import SlotStep, _switch, replay_steps
 
 
 def subset_enabled(method) -> bool:
-    """SnapKV / PyramidKV (no eviction after the prefill): on unless PALU_STATIC_DECODE is palu, fp16
-    or 0. Checked on the H200 (session 36, `results/checks/h200-static-subset-check.json`): the
-    replayed steps equal the same steps run eagerly (logits 0.0 apart), and 14 of 16 rows keep the
-    eager loop's tokens over 24 steps (the decode attention is another kernel in fp16), for SnapKV
-    and PyramidKV alike. The methods that evict every step (StreamingLLM, TOVA, H2O: `EvictingSlots`)
-    and Quest (selecting each step) only with PALU_STATIC_DECODE=all, until a GPU run checks them."""
-    switch = _switch()
-    policy = getattr(method, "policy", None)
-    if getattr(policy, "keeps_after_prefill", False) or getattr(policy, "select_rows", None):
-        return switch == "all"   # evicting every step, or selecting: not yet checked on a GPU
-    return switch in ("1", "all")
+    """Every token-subset method: on unless PALU_STATIC_DECODE is palu, fp16 or 0. SnapKV /
+    PyramidKV since the H200 check of session 36 (`results/checks/h200-static-subset-check.json`:
+    replayed steps equal the same steps run eagerly, 14 of 16 rows keep the eager loop's tokens over
+    24 steps). The methods that evict every step (StreamingLLM, TOVA, H2O: `EvictingSlots`) and
+    Quest (selecting each step) since session 49's H100 check at 64 x 4K + 64, SmolLM2's shapes with
+    random weights (`results/throughput/h100-smollm2-random-4k-paths-session49.json`): answers
+    differing between batch 1 and 64 over 24 prompts, replayed against the eager loop: H2O 4 / 3,
+    Quest 11 / 11, FP16 4 (fp16 reductions at another batch shape flip near-tied argmaxes, and random
+    weights tie often), at 29.7 against 8.6 (H2O) and 29.5 against 10.5 prompts/s (Quest); TOVA and
+    StreamingLLM 36.2 and 32.5 prompts/s with the real weights on the H200 (session 41), 0 / 8 and
+    1 / 8 differing. Every path is exact per row in float64 (tests/unit/test_static_subset_decode.py)."""
+    return _switch() in ("1", "all")
 
 
 def subset_unsupported(model, method) -> str | None:
