@@ -352,3 +352,17 @@ def test_roundtrip_is_decode_of_encode_bit_for_bit(dtype, bits, group, axis):
     want = codec.decode(codec.encode(x, 0), 0, x.dtype)
     got = codec.roundtrip(x, 0)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bits, d", [(2, 64), (3, 64), (4, 128), (3, 48)])
+def test_turboquant_roundtrip_is_decode_of_encode_bit_for_bit(dtype, bits, d):
+    from palu.quant.codecs import TurboCodec
+    g = torch.Generator().manual_seed(bits * 10 + d)
+    x = (torch.randn(2, 3, 16, d, generator=g) * torch.logspace(-3, 2, d)).to(dtype)
+    x[0, 0, 0] = 0.0             # a zero vector: its norm clamped, its codes of zero
+    codec = TurboCodec(bits, d, num_layers=2, seed=1)
+    for layer in (0, 1):
+        want = codec.decode(codec.encode(x, layer), layer, x.dtype)
+        got = codec.roundtrip(x, layer)
+        assert got.dtype == want.dtype and torch.equal(got, want), (layer, (got - want).abs().max())

@@ -82,6 +82,19 @@ class TurboCodec(Codec):
         u = y @ self._rotation(layer, y).T
         return (u * enc["norm"].to(work)).to(dtype)
 
+    def roundtrip(self, x, layer):
+        """`decode(encode(x))` without packing the codes and unpacking them (lossless both ways):
+        the same values bit for bit, and ~110 fewer kernels a layer in a replayed decode step, which
+        codes a due token's keys and values this way (TurboQuant-3's step was 16.8 ms in 6,141
+        kernels at 64 x 4K on an H100, Atom's 8.3 ms in 2,901; session 49)."""
+        xf = x.to(_work_dtype(x))
+        norm = xf.norm(dim=-1, keepdim=True)
+        rotation = self._rotation(layer, xf)
+        y = (xf / norm.clamp_min(1e-30)) @ rotation
+        codebook = self._on("codebook", lambda: self.codebook, y.device, y.dtype)
+        u = codebook[nearest(y, codebook).long()] @ rotation.T
+        return (u * norm.half().to(xf.dtype)).to(x.dtype)
+
     def layer_metadata_nbytes(self, layer):
         return self.d + 2 * self.codebook.numel()   # int8 signs and an fp16 codebook per layer
 
