@@ -84,9 +84,10 @@ class TurboCodec(Codec):
 
     def roundtrip(self, x, layer):
         """`decode(encode(x))` without packing the codes and unpacking them (lossless both ways):
-        the same values bit for bit, and ~110 fewer kernels a layer in a replayed decode step, which
-        codes a due token's keys and values this way (TurboQuant-3's step was 16.8 ms in 6,141
-        kernels at 64 x 4K on an H100, Atom's 8.3 ms in 2,901; session 49)."""
+        the same values bit for bit in 36 leaf torch ops where there were 175 (3 bits, CPU
+        profiler). A replayed decode step codes each due token's keys and values this way, and
+        TurboQuant-3's step was 16.8 ms in 6,141 kernels at 64 x 4K on an H100, Atom's 8.3 ms in
+        2,901 (session 49, before this; not timed since)."""
         xf = x.to(_work_dtype(x))
         norm = xf.norm(dim=-1, keepdim=True)
         rotation = self._rotation(layer, xf)
