@@ -22,6 +22,9 @@ must be timed): how many answers a batch changes (fp16 reductions of another sha
 argmax; the share is reported, never hidden).
 
 On a CPU (device=cpu) the graph runs are the eager static steps (a smoke run of the script).
+MODEL `random:smollm2-135m` (TEXT then unused, say `-`; `benchmarks/` on PYTHONPATH): the model's
+shapes with random weights and prompts (`palu_bench.random_subject`), for a GPU host with nothing
+staged; the JSON says `"weights": "random"`.
 """
 from __future__ import annotations
 
@@ -131,9 +134,14 @@ def main(out_dir, model_path, text_path, *opts):
         with open(path + ".tmp", "w") as fh:
             json.dump(result, fh, indent=1)
         os.replace(path + ".tmp", path)
-    base, tok = palu.load_model(model_path, dtype=args["dtype"], device=device)
+    if model_path.startswith("random:"):   # the model's shapes, random weights and ids: nothing staged
+        from palu_bench.random_subject import random_subject
+        base, tok, text = random_subject(model_path, 331 * max(batch, 16) + length, args["dtype"], device)
+        result["weights"] = "random"
+    else:
+        base, tok = palu.load_model(model_path, dtype=args["dtype"], device=device)
+        text = tok(open(text_path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
     base.generation_config.eos_token_id = None
-    text = tok(open(text_path, encoding="utf-8").read(), add_special_tokens=False)["input_ids"]
     pad = tok.pad_token_id or 0
     small = _batch(_prompts(text, 16, min(length, 1024)), pad, device)
     large = _batch(_prompts(text, batch, length), pad, device)
