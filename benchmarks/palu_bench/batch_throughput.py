@@ -215,6 +215,11 @@ def _checkpoint(model, windows, folder: str) -> str:
     return path
 
 
+def checkpoint_if_needed(model, windows, folder: str, names) -> str | None:
+    """A Palu checkpoint where one of the methods `names` is Palu's (compressing costs minutes)."""
+    return _checkpoint(model, windows, folder) if any(METHODS[n]["name"] == "palu" for n in names) else None
+
+
 def _method(model, name, ckpt):
     from palu.methods import build_method
     conf = {k: v for k, v in METHODS[name].items() if k not in ("decode", "prefill")}
@@ -319,8 +324,7 @@ def main(argv: list[str]) -> None:
     fits_fp16 = None
     with tempfile.TemporaryDirectory() as tmp:
         windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
-        ckpt = _checkpoint(model, windows, tmp) if any(
-            METHODS[n]["name"] == "palu" for n in args["methods"] + args["budget_methods"]) else None
+        ckpt = checkpoint_if_needed(model, windows, tmp, args["methods"] + args["budget_methods"])
         prompts = make_prompts(ids[args["calib_windows"] * 1024:], max(count, 512), args["length"])
         per_prompt = {}
         for name in args["methods"]:

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from .batch_throughput import METHODS, _checkpoint, _env, _method, _sync, load_subject, make_prompts
+from .batch_throughput import METHODS, _env, _method, _sync, checkpoint_if_needed, load_subject, make_prompts
 from .batch_throughput import overrides as throughput_overrides
 
 DEFAULTS = {"methods": ["fp16", "palu50-b4-graph", "kivi-b2-graph"], "batch": 64, "length": 4032,
@@ -180,7 +180,7 @@ def main(argv: list[str]) -> None:
             "weights": "random" if is_random(args["model"]) else "real"}
     with tempfile.TemporaryDirectory() as tmp:
         windows = torch.tensor([ids[i * 1024:(i + 1) * 1024] for i in range(args["calib_windows"])], device=device)
-        ckpt = _checkpoint(model, windows, tmp) if any(METHODS[n]["name"] == "palu" for n in args["methods"]) else None
+        ckpt = checkpoint_if_needed(model, windows, tmp, args["methods"])
         prompts = make_prompts(ids[args["calib_windows"] * 1024:], args["batch"], args["length"])
         for name in args["methods"]:
             try:

@@ -68,19 +68,28 @@ class TurboCodec(Codec):
             memo[(key, device, dtype)] = make().to(device, dtype)
         return memo[(key, device, dtype)]
 
-    def encode(self, x, layer):
+    def _codes(self, x, layer):
+        """Each head vector's codebook indices (uint8) and fp16 norm."""
         xf = x.to(_work_dtype(x))
         norm = xf.norm(dim=-1, keepdim=True)
         y = (xf / norm.clamp_min(1e-30)) @ self._rotation(layer, xf)
         codebook = self._on("codebook", lambda: self.codebook, y.device, y.dtype)
-        return {"codes": pack_codes(nearest(y, codebook), self.bits), "norm": norm.half()}
+        return nearest(y, codebook), norm.half()
+
+    def _vectors(self, codes, norm, layer, dtype):
+        """`_codes` undone: the head vectors in `dtype`."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        codebook = self._on("codebook", lambda: self.codebook, codes.device, work)
+        y = codebook[codes.long()]
+        u = y @ self._rotation(layer, y).T
+        return (u * norm.to(work)).to(dtype)
+
+    def encode(self, x, layer):
+        codes, norm = self._codes(x, layer)
+        return {"codes": pack_codes(codes, self.bits), "norm": norm}
 
     def decode(self, enc, layer, dtype):
-        work = torch.float64 if dtype == torch.float64 else torch.float32
-        codebook = self._on("codebook", lambda: self.codebook, enc["codes"].device, work)
-        y = codebook[unpack_codes(enc["codes"], self.bits, self.d).long()]
-        u = y @ self._rotation(layer, y).T
-        return (u * enc["norm"].to(work)).to(dtype)
+        return self._vectors(unpack_codes(enc["codes"], self.bits, self.d), enc["norm"], layer, dtype)
 
     def roundtrip(self, x, layer):
         """`decode(encode(x))` without packing the codes and unpacking them (lossless both ways):
@@ -88,13 +97,7 @@ class TurboCodec(Codec):
         profiler). A replayed decode step codes each due token's keys and values this way, and
         TurboQuant-3's step was 16.8 ms in 6,141 kernels at 64 x 4K on an H100, Atom's 8.3 ms in
         2,901 (session 49, before this; not timed since)."""
-        xf = x.to(_work_dtype(x))
-        norm = xf.norm(dim=-1, keepdim=True)
-        rotation = self._rotation(layer, xf)
-        y = (xf / norm.clamp_min(1e-30)) @ rotation
-        codebook = self._on("codebook", lambda: self.codebook, y.device, y.dtype)
-        u = codebook[nearest(y, codebook).long()] @ rotation.T
-        return (u * norm.half().to(xf.dtype)).to(x.dtype)
+        return self._vectors(*self._codes(x, layer), layer, x.dtype)
 
     def layer_metadata_nbytes(self, layer):
         return self.d + 2 * self.codebook.numel()   # int8 signs and an fp16 codebook per layer
