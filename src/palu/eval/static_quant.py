@@ -114,5 +114,10 @@ def right_padded_prefill(model, method) -> bool:
     (`results/throughput/h100-smollm2-random-4k-*session49.json`): answers differing between batch 1
     and 64, right- against left-padded, KIVI + SnapKV 2 / 2 of 24 at 30.5 against 7.2 prompts/s,
     TurboQuant 4 / 6 of 24 at 28.9 against 24.0, Atom 0 / 0 of 8 at 39.9 against 31.5 (FP16 4 of 24,
-    3 of 8: near-tied argmaxes flip at another batch shape in fp16)."""
+    3 of 8: near-tied argmaxes flip at another batch shape in fp16). With the real weights (session
+    50, `results/checks/h100-static-subset-check-session50.json`): the first 16 rows' answers equal
+    the prompts' alone in 15 (KIVI + SnapKV; its left-padded path keeps 2 of them), 3 (Atom, TurboQuant:
+    they code every new token at once, so fp16 rounding that differs between batch shapes flips codes
+    the next query reads most; the left-padded path is no closer: 4 of 4 differ in session 46), and
+    the prefill's logits are bit for bit the prompt's alone (`benchmarks/experiments/batch_invariance.py`)."""
     return _switch() in ("1", "all") and model.config.model_type in FAMILIES
