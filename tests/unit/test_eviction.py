@@ -514,3 +514,43 @@ def test_a_padded_batchs_kept_width_known_on_the_host_is_the_fullest_rows(conf, 
     device, _ = run()
     for a, b in zip(cache.layers, device.layers):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "tova"])
+def test_a_right_padded_prefill_chooses_every_row_at_once_as_each_row_alone(policy):
+    """`keep_right_padded` (every row of a right-padded prefill at once: SnapKV's batched votes and
+    top-k; TOVA through its row-by-row fallback) keeps, in each row's first counts[b] entries,
+    exactly what `keep` keeps for the row alone over its first lengths[b] queries and keys: rows
+    shorter than the window or whose budget keeps them whole included, pads 50x larger (they
+    would win every vote) never chosen."""
+    from palu.methods.pyramidkv import PyramidPolicy
+    from palu.methods.snapkv import SnapKVPolicy
+    from palu.methods.tova import TovaPolicy
+    pol = {"snapkv": lambda: SnapKVPolicy(0.5, 4, 3), "pyramidkv": lambda: PyramidPolicy(0.6, 4, 3, 0.5, 3),
+           "tova": lambda: TovaPolicy(budget=6)}[policy]()
+    g = torch.Generator().manual_seed(0)
+    lengths = [23, 17, 4, 3, 9, 6, 11]
+    B, H, n_rep, S, d = len(lengths), 2, 3, max(lengths), 8
+    keys = torch.randn(B, H, S, d, generator=g, dtype=torch.float64)
+    q = torch.randn(B, H * n_rep, S, d, generator=g, dtype=torch.float64)
+    pad = torch.arange(S)[None, None, :, None] >= torch.tensor(lengths)[:, None, None, None]
+    keys, q = torch.where(pad, 50 * keys, keys), torch.where(pad, 50 * q, q)
+    for b, n in enumerate(lengths):   # the token before the window draws the window's attention,
+        if n > 5:                     # so the pooled votes spill past the row's older tokens
+            keys[b, :, n - 5] = 5 * q[b, :, n - 4:n].sum(1).view(H, n_rep, d).mean(1)
+    for layer in (0, 2):
+        index, counts = pol.keep_right_padded(layer, q, keys, lengths, scale=0.3)
+        assert index is not None and index.shape[0] == B
+        for b, n in enumerate(lengths):
+            alone = pol.keep(layer, q[b:b + 1, :, :n], keys[b:b + 1, :, :n], None, n, prefill=True, scale=0.3)
+            want = torch.arange(n).expand(1, H, n) if alone is None else alone
+            assert counts[b] == want.shape[-1], (policy, layer, b)
+            assert torch.equal(index[b:b + 1, :, :counts[b]].expand(1, H, -1), want), (policy, layer, b)
+            assert int(index[b, :, :counts[b]].max()) < n
+
+
+def test_a_right_padded_prefill_where_no_row_evicts_keeps_every_token():
+    from palu.methods.snapkv import SnapKVPolicy
+    keys = torch.randn(2, 1, 5, 4, dtype=torch.float64)
+    index, counts = SnapKVPolicy(0.5, 8, 1).keep_right_padded(0, keys, keys, [5, 3])
+    assert index is None and counts == [5, 3]

@@ -64,6 +64,60 @@ class ScoredEviction(SubsetPolicy):
         scores = torch.cat([self.scores(layer, q, k, scale) for q, k in parts], 1)
         return self.choose(layer, scores.mean(1, keepdim=True), S)
 
+    def scores_right_padded(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, lengths: list[int],
+                            scale: float | None = None):
+        """`scores` for every row of a right-padded batch at once (row b: its first lengths[b]
+        queries and keys): (B, H, S), row b's first lengths[b] - protected entries what `scores`
+        gives the row alone. NotImplemented: no such rule (`keep_right_padded` goes row by row)."""
+        return NotImplemented
+
+    def keep_right_padded(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, lengths: list[int],
+                          scale: float | None = None):
+        """`keep` after the prefill of a right-padded batch, every row choosing among its own first
+        lengths[b] tokens with its own last queries: (index, counts), index (B, X, n) each row's kept
+        tokens in order (its first counts[b] entries are what `keep` gives the row alone: all
+        its tokens where it evicts none; zeros after), or (None, lengths) where no row evicts."""
+        if not any(self.evicts(layer, n) for n in lengths):
+            return None, list(lengths)
+        scores = NotImplemented if self.accumulates else self.scores_right_padded(layer, queries, keys, lengths, scale)
+        if scores is NotImplemented:   # row by row, each row's choice padded into one index
+            kept = [self.keep(layer, queries[b:b + 1, :, :n], keys[b:b + 1, :, :n], None, n, prefill=True,
+                              scale=scale) for b, n in enumerate(lengths)]
+            X = next(k.shape[1] for k in kept if k is not None)
+            kept = [torch.arange(n, device=keys.device).expand(1, X, n) if k is None else k
+                    for k, n in zip(kept, lengths)]
+            counts = [k.shape[-1] for k in kept]
+            index = keys.new_zeros(len(kept), X, max(counts), dtype=torch.long)
+            for b, k in enumerate(kept):
+                index[b, :, :counts[b]] = k[0]
+            return index, counts
+        return self.choose_right_padded(layer, scores, lengths)
+
+    def choose_right_padded(self, layer: int, scores: torch.Tensor, lengths: list[int]):
+        """`choose` for every row at once, from `scores_right_padded`'s (B, X, S): row b keeps its
+        top max(protected, budget) - protected older tokens, in order, then its newest
+        `protected`; a row that evicts none keeps all its tokens. (index, counts) as
+        `keep_right_padded` returns them; every count is a host integer."""
+        w, dev = self.protected, scores.device
+        evicts = [self.evicts(layer, n) for n in lengths]
+        counts = [max(w, self.budget(layer, n)) if e else n for e, n in zip(evicts, lengths)]
+        top_n = torch.tensor([c - w if e else 0 for c, e in zip(counts, evicts)], device=dev)          # (B,)
+        base = torch.tensor([n - w if e else 0 for n, e in zip(lengths, evicts)], device=dev)          # window's first
+        older = torch.tensor(lengths, device=dev) - w
+        B, X, S = scores.shape
+        width, most = max(counts), int(top_n.max())
+        p = torch.arange(width, device=dev)
+        index = base[:, None, None] + p - top_n[:, None, None]          # the window (all, for a row that evicts none)
+        if most:
+            j = torch.arange(S, device=dev)
+            masked = scores.masked_fill(j >= older[:, None, None], float("-inf"))
+            top = masked.topk(most, dim=-1).indices                     # best first; a row's own top_n[b] lead
+            top = top.masked_fill(torch.arange(most, device=dev) >= top_n[:, None, None], S).sort(-1).values
+            top = torch.nn.functional.pad(top, (0, width - most))
+            index = torch.where(p < top_n[:, None, None], top, index)
+        index = index.masked_fill(p >= torch.tensor(counts, device=dev)[:, None, None], 0)
+        return index.expand(B, X, width), counts
+
     def keep(self, layer, queries, keys, positions, seen, prefill, scale=None):
         if not (prefill or self.keeps_after_prefill):
             return None

@@ -47,8 +47,11 @@ class QuantSlots:
             if lay.dense is not None:
                 raise ValueError(f"layer {i} has decoded on its batch path already: slots start after the prefill")
             self.codecs, self.schedule = (lay.k.codec, lay.v.codec), lay.schedule
-            if lengths is not None:
-                keys, values = self._row_forms(lay, lengths)
+            if lengths is not None:   # every row's tokens first: right-aligned by one gather a tensor
+                keys, values, held = self._row_forms(lay, lengths)
+                width = max(held)
+                count = torch.tensor(held, dtype=torch.long, device=keys.device)
+                bufs = [_right_aligned(x, count, width, new_tokens) for x in (keys, values)]
             else:
                 parts = lay.rows if lay.rows is not None else [lay]   # a row layer holds one row
                 keys = [row for p in parts for row in p.k.current(lay.dtype).split(1)]
@@ -56,15 +59,15 @@ class QuantSlots:
                 if lay.rows is None and pads is not None:   # one tensor, pads on the left of each row
                     keys = [k[:, :, p:] for k, p in zip(keys, pads)]
                     values = [v[:, :, p:] for v, p in zip(values, pads)]
-            held = [k.shape[2] for k in keys]
-            width, B, H = max(held), len(keys), keys[0].shape[1]
-            bufs = [keys[0].new_zeros(B, H, width + new_tokens, keys[0].shape[-1]),
-                    values[0].new_zeros(B, H, width + new_tokens, values[0].shape[-1])]
-            for b, (k, v) in enumerate(zip(keys, values)):
-                bufs[0][b, :, width - held[b]:width] = k[0]
-                bufs[1][b, :, width - held[b]:width] = v[0]
+                held = [k.shape[2] for k in keys]
+                width, B, H = max(held), len(keys), keys[0].shape[1]
+                bufs = [keys[0].new_zeros(B, H, width + new_tokens, keys[0].shape[-1]),
+                        values[0].new_zeros(B, H, width + new_tokens, values[0].shape[-1])]
+                for b, (k, v) in enumerate(zip(keys, values)):
+                    bufs[0][b, :, width - held[b]:width] = k[0]
+                    bufs[1][b, :, width - held[b]:width] = v[0]
+                count = torch.tensor(held, dtype=torch.long, device=bufs[0].device)
             device = bufs[0].device
-            count = torch.tensor(held, dtype=torch.long, device=device)
             start = width - count
             slots = torch.arange(width + new_tokens, device=device)
             mask = ((slots >= start[:, None]) & (slots < width))[:, None, None, :]
@@ -84,10 +87,11 @@ class QuantSlots:
         self._due: dict = {}
 
     def _row_forms(self, lay, lengths: torch.Tensor):
-        """Each row's tokens (1, H, n_b, d) in the forms that row alone holds them after its prompt,
-        from a right-padded prefill's exact keys and values: every whole block of the batch's width
-        coded at once (a block's codes depend on that block alone, and every row's blocks start at
-        its first token), kept for row b's tokens [sink, quantised_end(n_b)), exact elsewhere."""
+        """(keys, values, held): every row's tokens (B, H, width, d), row b's first held[b] in the
+        forms that row alone holds them after its prompt, from a right-padded prefill's exact keys
+        and values: every whole block of the batch's width coded at once (a block's codes depend on
+        that block alone, and every row's blocks start at its first token), kept for row b's tokens
+        [sink, quantised_end(n_b)), exact elsewhere."""
         if not lay.stash:
             raise ValueError(f"layer {lay.layer_idx}: a right-padded prefill keeps its exact keys and "
                              "values (cache.stash_prompt(lengths) before it)")
@@ -107,8 +111,8 @@ class QuantSlots:
                 j = torch.arange(n, device=x.device)
                 held = (j >= sink) & (j < self._quantised_end(lengths.to(x.device), codec.block)[:, None])
                 x = torch.where(held[:, None, :, None], torch.cat([x[:, :, :sink], coded, x[:, :, end:]], 2), x)
-            forms.append([x[b:b + 1, :, :rows[b]] for b in range(len(rows))])
-        return forms
+            forms.append(x)
+        return forms[0], forms[1], rows
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """Every row's new token (B, H, 1, d) at the layer's next slot, its column opened and the
@@ -173,20 +177,31 @@ class QuantSlots:
 
 
 def _kept_first(exact, kept_rows, lengths):
-    """The exact keys and values (B, H, width, d) with each row's kept tokens (`kept_rows[b]`:
-    (1, H, n_b) indices in order per KV head; None, all its tokens) first, right-padded with
-    zeros: the prompt of n_b tokens the row holds after its eviction, and those n_b."""
-    rows = lengths.tolist()
-    kept = [torch.arange(n, device=lengths.device).expand(1, exact[0].shape[1], n) if idx is None else idx
-            for idx, n in zip(kept_rows, rows)]
-    width = max(idx.shape[-1] for idx in kept)
-    out = []
-    for x in exact:
-        buf = x.new_zeros(x.shape[0], x.shape[1], width, x.shape[-1])
-        for b, idx in enumerate(kept):
-            buf[b, :, :idx.shape[-1]] = x[b].gather(1, idx[0, :, :, None].expand(-1, -1, x.shape[-1]))
-        out.append(buf)
-    return out, torch.tensor([idx.shape[-1] for idx in kept], device=lengths.device)
+    """The exact keys and values (B, H, width, d) with each row's kept tokens first, right-padded
+    with zeros, by one gather a tensor: the prompt of n_b tokens the row holds after its eviction,
+    and those n_b. `kept_rows`: `ScoredEviction.keep_right_padded`'s (index (B, H or 1, width),
+    counts) in order per KV head; (None, _): every row keeps all its tokens."""
+    index, counts = kept_rows
+    if index is None:
+        return exact, lengths
+    B, H, width = exact[0].shape[0], exact[0].shape[1], index.shape[-1]
+    index = index.expand(B, H, width)
+    real = torch.arange(width, device=index.device) < torch.tensor(counts, device=index.device)[:, None, None]
+    out = [torch.where(real[..., None], x.gather(2, index[..., None].expand(B, H, width, x.shape[-1])), 0)
+           for x in exact]
+    return out, torch.tensor(counts, device=lengths.device)
+
+
+def _right_aligned(x: torch.Tensor, held: torch.Tensor, width: int, extra: int) -> torch.Tensor:
+    """A slot buffer (B, H, width + extra, d) with row b's first held[b] tokens of `x` (B, H, S, d)
+    at slots [width - held[b], width), zeros elsewhere: one gather where a copy a row was
+    (2 x 64 rows x 30 layers of small copies at a batch of 64)."""
+    B, H, S, d = x.shape
+    slots = torch.arange(width + extra, device=x.device)
+    src = slots - (width - held)[:, None]                                     # (B, slots)
+    real = (src >= 0) & (src < held[:, None])
+    got = x.gather(2, src.clamp(0, S - 1)[:, None, :, None].expand(B, H, width + extra, d))
+    return torch.where(real[:, None, :, None], got, 0)
 
 
 class _SlotRowBytes:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention.observation import window_votes
+from ..attention.observation import window_votes, window_votes_right_padded
 from ..cache.eviction import ScoredEviction
 from .base import MethodError, check_int
 from .token_subset import TokenSubset
@@ -36,6 +36,15 @@ class SnapKVPolicy(ScoredEviction):
         B, H, S, _ = keys.shape
         votes = window_votes(queries, keys, self.window, scale)                 # (B, nh, S - w)
         votes = votes.view(B, H, -1, S - self.window).mean(2)
+        return F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
+
+    def scores_right_padded(self, layer, queries, keys, lengths, scale=None):
+        """`scores` of every row of a right-padded batch at once: (B, H, S), row b's first
+        lengths[b] - window entries its scores alone (its votes are zero beyond them, which is the
+        pooling's zero padding there)."""
+        B, H, S, _ = keys.shape
+        votes = window_votes_right_padded(queries, keys, self.window, lengths, scale)   # (B, nh, S)
+        votes = votes.view(B, H, -1, S).mean(2)
         return F.avg_pool1d(votes, self.kernel, stride=1, padding=self.kernel // 2)
 
 
