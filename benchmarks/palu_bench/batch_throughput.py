@@ -23,6 +23,7 @@ and the wheelhouse are not staged; the JSON says `"weights": "random"` and so do
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
 import platform
@@ -116,7 +117,9 @@ class Run:
 def _env(device: str) -> dict:
     import transformers
     env = {"torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version()}
+           "python": platform.python_version(),
+           # when: run names carry a session at best, and a fresh clone's files all share one mtime
+           "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name(0)
     return env

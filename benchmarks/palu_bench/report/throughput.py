@@ -48,7 +48,8 @@ def throughput_markdown(frame: pd.DataFrame, meta: dict) -> str:
         random = cfg["weights"] == "random"
         lines.append(f"- `{run}`: " + (f"**random weights** of `{cfg['model']}`'s shapes (random prompts: "
                                        "times and memory hold, answers and the tokens a method keeps are "
-                                       "not the model's); " if random else "") + f"{cfg.get('gpu', 'cpu')}, torch {cfg['torch']}, transformers "
+                                       "not the model's); " if random else "") + f"{cfg.get('gpu', 'cpu')}"
+                     + (f" ({cfg['started_utc']})" if cfg.get("started_utc") else "") + f", torch {cfg['torch']}, transformers "
                      f"{cfg['transformers']}; prompts of {cfg['length'] - cfg['length'] // 8}-{cfg['length']} "
                      f"tokens (left-padded batches) + {cfg['new_tokens']} generated greedily, EOS off; "
                      f"{cfg['dtype']}; " + ({"full": "each shape and answer length warmed up untimed first"}.get(
