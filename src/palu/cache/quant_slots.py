@@ -187,7 +187,7 @@ def _kept_first(exact, kept_rows, lengths):
     B, H, width = exact[0].shape[0], exact[0].shape[1], index.shape[-1]
     index = index.expand(B, H, width)
     real = torch.arange(width, device=index.device) < torch.tensor(counts, device=index.device)[:, None, None]
-    out = [torch.where(real[..., None], x.gather(2, index[..., None].expand(B, H, width, x.shape[-1])), 0)
+    out = [x.gather(2, index[..., None].expand(B, H, width, x.shape[-1])).masked_fill_(~real[..., None], 0)
            for x in exact]
     return out, torch.tensor(counts, device=lengths.device)
 
@@ -201,7 +201,7 @@ def _right_aligned(x: torch.Tensor, held: torch.Tensor, width: int, extra: int) 
     src = slots - (width - held)[:, None]                                     # (B, slots)
     real = (src >= 0) & (src < held[:, None])
     got = x.gather(2, src.clamp(0, S - 1)[:, None, :, None].expand(B, H, width + extra, d))
-    return torch.where(real[:, None, :, None], got, 0)
+    return got.masked_fill_(~real[:, None, :, None], 0)   # the gather's own tensor: no second buffer
 
 
 class _SlotRowBytes:
