@@ -101,11 +101,12 @@ class ScoredEviction(SubsetPolicy):
         w, dev = self.protected, scores.device
         evicts = [self.evicts(layer, n) for n in lengths]
         counts = [max(w, self.budget(layer, n)) if e else n for e, n in zip(evicts, lengths)]
-        top_n = torch.tensor([c - w if e else 0 for c, e in zip(counts, evicts)], device=dev)          # (B,)
+        tops = [c - w if e else 0 for c, e in zip(counts, evicts)]         # older tokens each row keeps
+        top_n = torch.tensor(tops, device=dev)                               # (B,)
         base = torch.tensor([n - w if e else 0 for n, e in zip(lengths, evicts)], device=dev)          # window's first
         older = torch.tensor(lengths, device=dev) - w
         B, X, S = scores.shape
-        width, most = max(counts), int(top_n.max())
+        width, most = max(counts), max(tops)                                 # host integers: no device wait
         p = torch.arange(width, device=dev)
         index = base[:, None, None] + p - top_n[:, None, None]          # the window (all, for a row that evicts none)
         if most:
