@@ -223,10 +223,11 @@ class QuantKVLayer(RowEdits, CacheLayerMixin):
         # slots code per row after a right-padded prefill (`quant_slots.QuantSlots`)
         self.stash: list | None = None
         # with the stash, each row's real tokens (a right-padded prefill: row b's first
-        # `stash_lengths[b]` columns) and, for a prefill-eviction composition, the indices (1, H, n)
-        # of the tokens each row keeps (None: all), chosen by the attention after the prefill
+        # `stash_lengths[b]` columns) and, for a prefill-eviction composition, the tokens each row
+        # keeps, chosen by the attention after the prefill: `ScoredEviction.keep_right_padded`'s
+        # (index (B, H, n), counts), index None where no row evicts
         self.stash_lengths: list[int] | None = None
-        self.kept_rows: list | None = None
+        self.kept_rows: tuple | None = None
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
