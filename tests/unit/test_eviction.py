@@ -516,18 +516,21 @@ def test_a_padded_batchs_kept_width_known_on_the_host_is_the_fullest_rows(conf, 
         assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv", "tova"])
-def test_a_right_padded_prefill_chooses_every_row_at_once_as_each_row_alone(policy):
+@pytest.mark.parametrize("policy,chunked", [("snapkv", False), ("snapkv", True), ("pyramidkv", False), ("tova", False)])
+def test_a_right_padded_prefill_chooses_every_row_at_once_as_each_row_alone(policy, chunked, monkeypatch):
     """`keep_right_padded` (every row of a right-padded prefill at once: SnapKV's batched votes and
     top-k; TOVA through its row-by-row fallback) keeps, in each row's first counts[b] entries,
     exactly what `keep` keeps for the row alone over its first lengths[b] queries and keys: rows
     shorter than the window or whose budget keeps them whole included, pads 50x larger (they
-    would win every vote) never chosen."""
+    would win every vote) never chosen. `chunked`: the votes a row at a time (their memory cap)."""
+    from palu.attention import observation
     from palu.methods.pyramidkv import PyramidPolicy
     from palu.methods.snapkv import SnapKVPolicy
     from palu.methods.tova import TovaPolicy
     pol = {"snapkv": lambda: SnapKVPolicy(0.5, 4, 3), "pyramidkv": lambda: PyramidPolicy(0.6, 4, 3, 0.5, 3),
            "tova": lambda: TovaPolicy(budget=6)}[policy]()
+    if chunked:
+        monkeypatch.setattr(observation, "VOTE_BYTES", 1)
     g = torch.Generator().manual_seed(0)
     lengths = [23, 17, 4, 3, 9, 6, 11]
     B, H, n_rep, S, d = len(lengths), 2, 3, max(lengths), 8
