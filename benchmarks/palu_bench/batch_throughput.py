@@ -75,7 +75,21 @@ METHODS = {
     "kivi_snapkv-graph": {"name": "kivi_snapkv", "bits": 2, "evict_ratio": 0.5, "decode": "all"},
     "atom-b4-graph": {"name": "atom", "bits": 4, "decode": "all"},
     "turboquant-b3-graph": {"name": "turboquant", "bits": 3, "decode": "all"},
+    # the model's norms, MLPs and RoPE in torch's own kernels (PALU_FUSED_OPS=0; fused on a GPU
+    # since session 51, `palu.models.fused_layers`): the default paths as they were before
+    "fp16-unfused": {"name": "fp16", "fused": "0"},
+    "palu50-b4-graph-unfused": {"name": "palu", "latent_bits": 4, "fused": "0"},
+    "kivi-b2-unfused": {"name": "kivi", "bits": 2, "fused": "0"},
+    "snapkv-graph-unfused": {"name": "snapkv", "compression_ratio": 0.5, "fused": "0"},
 }
+SWITCHES = {"decode": ("PALU_STATIC_DECODE", "1"), "prefill": ("PALU_BANDED_PREFILL", "1"),
+            "fused": ("PALU_FUSED_OPS", "1")}
+
+
+def set_switches(name: str) -> None:
+    """The decode switches method `name` is timed under (each unnamed one at its default)."""
+    for key, (env, default) in SWITCHES.items():
+        os.environ[env] = METHODS[name].get(key, default)
 DEFAULTS = {"methods": ["fp16", "palu50-b16", "palu50-b4", "atom-b4", "turboquant-b3"],
             "batches": [1, 16, 64, 128], "length": 4032, "new_tokens": 64, "ones": 4,
             "agree_batch": 64, "budget_gib": 4.0, "budget_methods": ["fp16", "palu50-b4"],
@@ -225,7 +239,7 @@ def checkpoint_if_needed(model, windows, folder: str, names) -> str | None:
 
 def _method(model, name, ckpt):
     from palu.methods import build_method
-    conf = {k: v for k, v in METHODS[name].items() if k not in ("decode", "prefill")}
+    conf = {k: v for k, v in METHODS[name].items() if k not in SWITCHES}
     if conf["name"].startswith("palu"):
         conf["checkpoint"] = ckpt
     method = build_method(conf)
@@ -238,8 +252,7 @@ def measure_method(run, model, tok, name, ckpt, prompts, args):
     from palu.eval.generation import decode_switches
     device, new = args["device"], args["new_tokens"]
     method, m = _method(model, name, ckpt)
-    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
-    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
+    set_switches(name)
     ones = None
     for batch in args["method_batches"].get(name, args["batches"]):
         if run.left() < 30:
@@ -273,8 +286,7 @@ def measure_budget(run, model, tok, name, ckpt, prompts, args, per_prompt: int):
         run.skip(f"budget {name}")
         return
     method, m = _method(model, name, ckpt)
-    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
-    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
+    set_switches(name)
     chosen = prompts[:min(batch, len(prompts))]
     _peak_reset(device)
     try:

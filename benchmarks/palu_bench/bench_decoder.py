@@ -103,7 +103,7 @@ class Decoder:
                  weight_std: float = 0.02, fused_ops: bool | None = None):
         self.shape, self.palu, self.device, self.dtype = shape, palu, torch.device(device), dtype
         self.kernel_params = kernel_params or {}
-        # residual add + RMSNorm and SiLU * up as one Triton launch each (palu_bench/fused_ops.py);
+        # residual add + RMSNorm and SiLU * up as one Triton launch each (palu_kernels/fused_ops.py);
         # None: on a GPU. Dense and Palu models alike.
         self.fused_ops = self.device.type == "cuda" if fused_ops is None else fused_ops
         if palu is not None:
@@ -215,14 +215,14 @@ class Decoder:
     def _add_norm(self, x, delta, w):
         """(x + delta, RMSNorm(x + delta) w); delta None: (x, RMSNorm(x) w)."""
         if self.fused_ops:
-            from palu_bench.fused_ops import add_rms_norm
+            from palu_kernels.fused_ops import add_rms_norm
             return add_rms_norm(x, delta, w, self.shape.eps)
         x = x if delta is None else x + delta
         return x, rms_norm(x, w, self.shape.eps)
 
     def _swiglu(self, gate_up):
         if self.fused_ops:
-            from palu_bench.fused_ops import silu_mul
+            from palu_kernels.fused_ops import silu_mul
             return silu_mul(gate_up)
         gate, up = gate_up.chunk(2, -1)
         return F.silu(gate) * up

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from .batch_throughput import METHODS, _env, _method, _sync, checkpoint_if_needed, load_subject, make_prompts
+from .batch_throughput import METHODS, _env, _method, _sync, checkpoint_if_needed, load_subject, make_prompts, set_switches
 from .batch_throughput import overrides as throughput_overrides
 
 DEFAULTS = {"methods": ["fp16", "palu50-b4-graph", "kivi-b2-graph"], "batch": 64, "length": 4032,
@@ -115,8 +115,7 @@ def measure(model, tok, name, ckpt, prompts, args) -> dict:
     from torch.profiler import ProfilerActivity, profile
     device, steps = args["device"], args["steps"]
     method, m = _method(model, name, ckpt)
-    os.environ["PALU_STATIC_DECODE"] = METHODS[name].get("decode", "1")
-    os.environ["PALU_BANDED_PREFILL"] = METHODS[name].get("prefill", "1")
+    set_switches(name)
     _answer(m, tok, method, prompts, 2 + steps, device)               # warm-up: compile, tune
     walls = {1: [], 2: [], 2 + steps: []}
     for _ in range(args["repeats"]):

@@ -76,7 +76,7 @@ def test_step_flops_counts_the_work_each_path_does():
 
 
 def test_fused_elementwise_ops_compute_the_same_model():
-    # palu_bench/fused_ops.py (here through the interpreter) against the torch expressions.
+    # palu_kernels/fused_ops.py (here through the interpreter) against the torch expressions.
     tokens = torch.randint(0, SHAPE.vocab, (2, 6), generator=torch.Generator().manual_seed(3))
     outs = []
     for fused in (False, True):

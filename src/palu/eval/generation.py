@@ -16,13 +16,15 @@ import os
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
+from ..models.fused_layers import fused_layers
 from . import static_decode, static_quant, static_subset
 from .journal import current as current_journal
 
 log = logging.getLogger(__name__)
 AUTO_MAX_BATCH = 128   # where `batch_size="auto"` starts halving (lm-eval's auto does the same)
 # the environment switches that choose a decode path (static_decode, the kernels, cache/quant_dense)
-DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE", "PALU_BANDED_PREFILL")
+DECODE_SWITCHES = ("PALU_STATIC_DECODE", "PALU_DENSE_DECODE", "PALU_QUANT_DENSE", "PALU_BANDED_PREFILL",
+                   "PALU_FUSED_OPS")
 
 
 def decode_switches() -> dict:
@@ -74,6 +76,16 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
         order = [i for i in order if out[i] is None]
         if progress is not None and resumed:
             progress(resumed, len(prompts))
+    with fused_layers(model) as fused:   # on a GPU: the model's norms, MLPs and RoPE fused
+        if fused and order:
+            log.info("%d norms, MLPs and rotary functions run fused (PALU_FUSED_OPS=0: torch's)", fused)
+        _answer_in_batches(model, tokenizer, method, prompts, news, order, out, size, batch_size, padded,
+                           journal, progress)
+    return out
+
+
+def _answer_in_batches(model, tokenizer, method, prompts, news, order, out, size, batch_size, padded,
+                       journal, progress) -> None:
     start, base = 0, len(prompts) - len(order)
     while start < len(order):
         first = order[start]
@@ -95,7 +107,6 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
         start += len(group)
         if progress is not None:
             progress(base + start, len(prompts))
-    return out
 
 
 def out_of_memory(err: BaseException) -> bool:

@@ -1,0 +1,96 @@
+"""palu.models.fused_layers: a model's norms, MLPs and RoPE through the fused kernels (here the
+Triton interpreter on CPU, `force=True`) answer as the model's own forwards, only where the family
+computes those expressions, and leaving the context restores every module."""
+import importlib
+import inspect
+import os
+import re
+
+import pytest
+import torch
+
+from palu.models import fused_layers as fl
+from tests.tiny import FAMILIES
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize("family,swaps", [("llama", 2 * 2 + 1 + 2 + 1), ("qwen2", 8), ("qwen3", 8 + 2 * 2),
+                                          ("gemma3", 0), ("olmo2", 0), ("phi3", 0)])
+def test_fused_layers_answer_as_the_models_own(monkeypatch, family, swaps):
+    pytest.importorskip("palu_kernels.fused_ops")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = FAMILIES[family](seed=3).half()
+    ids = torch.randint(0, 90, (2, 9), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    forwards = {id(m): m.forward for m in model.modules()}
+    with fl.fused_layers(model, force=True) as n:
+        assert n == swaps    # norms (2 a layer + the last; Qwen3's q/k norms), MLPs, one RoPE function
+        fused = _logits(model, ids)
+    assert torch.allclose(fused, before, rtol=0, atol=2e-2 * before.abs().max().item())
+    assert all(not hasattr(m, fl._MARK) and m.__dict__.get("forward") is None for m in model.modules())
+    assert {id(m): m.forward for m in model.modules()}.keys() == forwards.keys()
+    for name in fl.ROPE_MODULES:
+        assert not getattr(importlib.import_module(name).apply_rotary_pos_emb, fl._MARK, False)
+    assert torch.equal(_logits(model, ids), before)
+
+
+def test_nothing_is_fused_off_the_gpu_or_when_switched_off(monkeypatch):
+    model = FAMILIES["llama"](seed=0)
+    assert fl.unsupported(model) == "not on a GPU"
+    with fl.fused_layers(model) as n:
+        assert n == 0
+    monkeypatch.setenv("PALU_FUSED_OPS", "0")
+    assert fl.unsupported(model) == "PALU_FUSED_OPS=0"
+    monkeypatch.setenv("PALU_FUSED_OPS", "yes")
+    with pytest.raises(ValueError, match="PALU_FUSED_OPS='yes'"):
+        fl.enabled()
+
+
+def test_the_whitelisted_families_compute_llamas_expressions():
+    # a transformers upgrade that changes one family's norm, MLP or rotation must drop it from the lists
+    def src(obj):
+        return re.sub(r'""".*?"""', "", inspect.getsource(obj), flags=re.S)
+    ref = importlib.import_module("transformers.models.llama.modeling_llama")
+    for name in fl.ROPE_MODULES:
+        mod = importlib.import_module(name)
+        prefix = next(c[:-len("RMSNorm")] for c in fl.NORMS if hasattr(mod, c))
+        assert src(getattr(mod, prefix + "RMSNorm").forward) == src(ref.LlamaRMSNorm.forward)
+        assert src(getattr(mod, prefix + "MLP").forward) == src(ref.LlamaMLP.forward)
+        assert src(mod.apply_rotary_pos_emb) == src(ref.apply_rotary_pos_emb)
+        assert src(mod.rotate_half) == src(ref.rotate_half)
+
+
+def test_a_nested_context_swaps_nothing_twice(monkeypatch):
+    pytest.importorskip("palu_kernels.fused_ops")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = FAMILIES["llama"](seed=0).half()
+    with fl.fused_layers(model, force=True) as outer:
+        with fl.fused_layers(model, force=True) as inner:
+            assert outer > 0 and inner == 0
+        assert all(getattr(m, fl._MARK, False) for m in model.modules() if type(m).__name__ in fl.NORMS)
+    assert not any(hasattr(m, fl._MARK) for m in model.modules())
+    assert os.environ.get("PALU_FUSED_OPS") is None
+
+
+def test_answer_batches_runs_fused_and_answers_alike(monkeypatch):
+    pytest.importorskip("palu_kernels.fused_ops")
+    from palu.eval.generation import answer_batches
+    from tests.tiny import PROMPTS, tiny_tokenizer
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = FAMILIES["llama"](seed=5).half()
+    model.generation_config.eos_token_id = None
+    tok = tiny_tokenizer()
+    plain = answer_batches(model, tok, None, PROMPTS, 6, batch_size=3)
+    seen = []
+    real = fl.fused_layers
+
+    def spy(m, force=False):
+        seen.append(m)
+        return real(m, force=True)
+    monkeypatch.setattr("palu.eval.generation.fused_layers", spy)
+    assert answer_batches(model, tok, None, PROMPTS, 6, batch_size=3) == plain
+    assert seen == [model]
