@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
@@ -145,11 +146,7 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     the bytes its tokens hold in the cache when it ends."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
-    mask = None   # unpadded (batch 1 included): no mask, the path one prompt always took
-    if any(len(p) != width for p in prompts):
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    ids, mask = left_padded(prompts, pad, device)
     stop = eos_ids(model)
     if not plain_greedy(model):
         return _generate_with_transformers(model, tokenizer, method, prompts, max_new_tokens, ids, mask, pad, stop)
@@ -170,6 +167,20 @@ def _generate(model, tokenizer, method, prompts: list[list[int]], max_new_tokens
     rows = _decode_dropping_ended_rows(model, cache, ids, mask, max_new_tokens, stop,
                                        None if method is None else _RowBytesNow(method, cache, prompts))
     return [(tokenizer.decode(new, skip_special_tokens=True), n) for new, n in rows]
+
+
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(ids, mask) of `prompts` left-padded to the longest; mask None when none is padded (batch 1
+    included: the path one prompt always took). Built from one array of every token (a batch of 64
+    x 4K tokens took ~90 ms of host time as nested Python lists, while the GPU waited)."""
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    flat = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]))
+    real = torch.arange(width) >= (width - lengths)[:, None]
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    ids[real] = flat
+    mask = None if bool(real.all()) else real.long().to(device)
+    return ids.to(device), mask
 
 
 def _generate_static(model, tokenizer, method, prompts, max_new_tokens, ids, mask, stop):
