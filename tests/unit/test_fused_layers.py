@@ -40,6 +40,8 @@ def test_fused_layers_answer_as_the_models_own(monkeypatch, family, swaps):
 
 def test_nothing_is_fused_off_the_gpu_or_when_switched_off(monkeypatch):
     model = FAMILIES["llama"](seed=0)
+    assert fl.unsupported(model).startswith("dtype torch.float32")    # float32 keeps torch's layers
+    model.to(torch.float16)
     assert fl.unsupported(model) == "not on a GPU"
     with fl.fused_layers(model) as n:
         assert n == 0
