@@ -96,3 +96,29 @@ def test_answer_batches_runs_fused_and_answers_alike(monkeypatch):
     monkeypatch.setattr("palu.eval.generation.fused_layers", spy)
     assert answer_batches(model, tok, None, PROMPTS, 6, batch_size=3) == plain
     assert seen == [model]
+
+
+def test_palus_own_rotation_runs_fused_and_answers_alike(monkeypatch, tiny_base, tiny_palu_checkpoint):
+    # Palu's attention rotates its queries and rebuilt keys itself (palu.attention.rope): inside the
+    # context the fused kernel does it, bit for bit, and leaving the context hands it back to torch
+    import copy
+
+    pytest.importorskip("palu_kernels.fused_ops")
+    from palu.attention import rope
+    from palu.methods import build_method
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    method = build_method({"name": "palu", "checkpoint": tiny_palu_checkpoint})
+    model = copy.deepcopy(tiny_base)
+    method.install(model)
+    model.half()
+    ids = torch.randint(0, 90, (2, 9), generator=torch.Generator().manual_seed(2))
+    before = _logits(model, ids)
+    calls = []
+    with fl.fused_layers(model, force=True) as n:
+        assert rope.kernel is not None and n == 5 + 2 + 2    # norms, MLPs, Llama's and Palu's rotations
+        real = rope.kernel
+        monkeypatch.setattr(rope, "kernel", lambda *a: calls.append(1) or real(*a))
+        fused = _logits(model, ids)
+        monkeypatch.setattr(rope, "kernel", real)
+    assert calls and rope.kernel is None
+    assert torch.allclose(fused, before, rtol=0, atol=2e-2 * before.abs().max().item())

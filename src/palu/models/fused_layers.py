@@ -4,7 +4,8 @@ Of a 64 x 4K-token prefill of SmolLM2 on the H200 (results/checks/h200-step-prof
 about half the kernel time was elementwise passes around the GEMMs and attention: LlamaRMSNorm
 is seven (cast, square, mean, add + rsqrt, multiply, cast, weight), RoPE ten (two `rotate_half`
 concatenations, four products, two sums), SiLU * up two. Inside `fused_layers(model)` the model's
-RMSNorm and SwiGLU MLP modules and its family's `apply_rotary_pos_emb` run the Triton kernels of
+RMSNorm and SwiGLU MLP modules, its family's `apply_rotary_pos_emb` and Palu's own rotation
+(`palu.attention.rope`, its compressed attention's queries and rebuilt keys) run the Triton kernels of
 `palu_kernels.fused_ops` instead: the same expressions with torch's rounding points (RoPE and
 SiLU * up bit for bit; RMSNorm's sum of squares is reduced in another order). Every method's
 prefill and decode step goes through these layers, so all of them gain alike.
@@ -26,6 +27,8 @@ import os
 import sys
 
 import torch
+
+from ..attention import rope as palu_rope
 
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 MLPS = {"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"}
@@ -92,13 +95,19 @@ def fused_layers(model, force: bool = False):
                 continue
             mod.apply_rotary_pos_emb = _rope_function(original, fused_ops)
             ropes.append((mod, original))
+        if palu_rope.kernel is None and any(getattr(getattr(m, "geom", None), "rope", False) for m in model.modules()):
+            palu_rope.kernel = _palu_rope(fused_ops)   # Palu's own attention rotates its queries / keys
+            ropes.append((palu_rope, None))
         yield len(swapped) + len(ropes)
     finally:
         for m in swapped:
             del m.forward
             delattr(m, _MARK)
         for mod, original in ropes:
-            mod.apply_rotary_pos_emb = original
+            if mod is palu_rope:
+                palu_rope.kernel = None
+            else:
+                mod.apply_rotary_pos_emb = original
 
 
 def _silu(mlp) -> bool:
@@ -129,6 +138,17 @@ def _mlp_forward(mlp, ops):
             return torch_forward(x)
         return mlp.down_proj(ops.silu_times(mlp.gate_proj(x), mlp.up_proj(x)))
     return forward
+
+
+def _palu_rope(ops):
+    def rotate(x, cos, sin):
+        D = x.shape[-1]
+        if (not _kernel_runs(x) or x.dim() != 4 or cos.dim() != 3 or cos.shape[-1] != D or D & (D - 1)
+                or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != x.shape[2]
+                or not (x.dtype == cos.dtype == sin.dtype) or x.dtype not in DTYPES):
+            return None
+        return ops.rope(x, cos, sin)
+    return rotate
 
 
 def _rope_function(original, ops):
