@@ -12,9 +12,9 @@ prefill and decode step goes through these layers, so all of them gain alike.
 
 Only families whose modules compute exactly these expressions are touched (`NORMS`, `MLPS`,
 `ROPE_MODULES`: Llama, Mistral, Qwen2, Qwen3); Gemma-3 (a `1 + weight` norm, GELU), OLMo-2, Phi-3
-and the rest keep their own forwards. Off the GPU, without `palu_kernels`, or with
-PALU_FUSED_OPS=0, or in float32 (`DTYPES`) nothing is touched, and leaving the context restores every module: the CPU
-tests' float64 path is the torch one.
+and the rest keep their own forwards. Off the GPU, without `palu_kernels`, with PALU_FUSED_OPS=0
+or in float32 (`DTYPES`) nothing is touched, and leaving the context restores every module: the
+CPU tests' float64 path is the torch one.
 
 The rotary function is a module-level name each family's attention looks up at call time, so it is
 swapped in the family's module for the context's duration (one process, one thread: the pipeline's
@@ -95,8 +95,10 @@ def fused_layers(model, force: bool = False):
                 continue
             mod.apply_rotary_pos_emb = _rope_function(original, fused_ops)
             ropes.append((mod, original))
-        if palu_rope.kernel is None and any(getattr(getattr(m, "geom", None), "rope", False) for m in model.modules()):
-            palu_rope.kernel = _palu_rope(fused_ops)   # Palu's own attention rotates its queries / keys
+        # Palu's own attention rotates its queries and rebuilt keys (`palu.attention.rope`)
+        if palu_rope.kernel is None and any(getattr(getattr(m, "geom", None), "rope", False)
+                                            for m in model.modules()):
+            palu_rope.kernel = _palu_rope(fused_ops)
             ropes.append((palu_rope, None))
         yield len(swapped) + len(ropes)
     finally:
@@ -140,22 +142,23 @@ def _mlp_forward(mlp, ops):
     return forward
 
 
+def _rope_applies(x, cos, sin) -> bool:
+    """Whether `palu_kernels.fused_ops.rope` takes x (B, H, T, D) with cos / sin (B or 1, T, D)."""
+    D = x.shape[-1]
+    return (_kernel_runs(x) and x.dim() == 4 and cos.dim() == 3 and cos.shape[-1] == D and D & (D - 1) == 0
+            and cos.shape[0] in (1, x.shape[0]) and cos.shape[1] == x.shape[2] and sin.shape == cos.shape
+            and x.dtype == cos.dtype == sin.dtype)
+
+
 def _palu_rope(ops):
     def rotate(x, cos, sin):
-        D = x.shape[-1]
-        if (not _kernel_runs(x) or x.dim() != 4 or cos.dim() != 3 or cos.shape[-1] != D or D & (D - 1)
-                or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != x.shape[2]
-                or not (x.dtype == cos.dtype == sin.dtype) or x.dtype not in DTYPES):
-            return None
-        return ops.rope(x, cos, sin)
+        return ops.rope(x, cos, sin) if _rope_applies(x, cos, sin) else None
     return rotate
 
 
 def _rope_function(original, ops):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, **kwargs):
-        if (not _kernel_runs(q) or unsqueeze_dim != 1 or kwargs or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3
-                or not (q.dtype == k.dtype == cos.dtype == sin.dtype) or q.shape[-1] != cos.shape[-1]
-                or q.shape[-1] & (q.shape[-1] - 1)):
+        if unsqueeze_dim != 1 or kwargs or not (_rope_applies(q, cos, sin) and _rope_applies(k, cos, sin)):
             return original(q, k, cos, sin, unsqueeze_dim, **kwargs)
         return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
     setattr(apply_rotary_pos_emb, _MARK, True)
