@@ -122,3 +122,28 @@ def test_palus_own_rotation_runs_fused_and_answers_alike(monkeypatch, tiny_base,
         monkeypatch.setattr(rope, "kernel", real)
     assert calls and rope.kernel is None
     assert torch.allclose(fused, before, rtol=0, atol=2e-2 * before.abs().max().item())
+
+
+def test_a_rotation_the_kernel_does_not_take_falls_back_to_torch(monkeypatch):
+    pytest.importorskip("palu_kernels.fused_ops")
+    from palu.attention import rope
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    model = FAMILIES["llama"](seed=0).half()
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, h, 5, 16, generator=g).half() for h in (4, 2))
+    cos, sin = (torch.randn(2, 5, 16, generator=g).half() for _ in range(2))
+    expect = llama.apply_rotary_pos_emb(q, k, cos, sin)
+    partial = (cos[..., :8], sin[..., :8])          # partial rotary (Phi-3's kind): torch's path
+    with fl.fused_layers(model, force=True):
+        assert getattr(llama.apply_rotary_pos_emb, fl._MARK)
+        got = llama.apply_rotary_pos_emb(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, expect))
+        with pytest.raises(RuntimeError):            # a cos of another length: torch's own error, not the kernel's
+            llama.apply_rotary_pos_emb(q, k, cos[:, :3], sin[:, :3])
+        rope.kernel = fl._palu_rope(importlib.import_module("palu_kernels.fused_ops"))
+        try:
+            assert torch.equal(rope.apply_rope(q, *partial), torch.cat(
+                [q[..., :8] * partial[0][:, None] + rope.rotate_half(q[..., :8]) * partial[1][:, None], q[..., 8:]], -1))
+        finally:
+            rope.kernel = None
