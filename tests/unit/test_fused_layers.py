@@ -45,6 +45,9 @@ def test_nothing_is_fused_off_the_gpu_or_when_switched_off(monkeypatch):
     assert fl.unsupported(model) == "not on a GPU"
     with fl.fused_layers(model) as n:
         assert n == 0
+    assert fl.unsupported(None) == "no parameters (not a torch model)"     # a test's stand-in model
+    with fl.fused_layers(None) as n:
+        assert n == 0
     monkeypatch.setenv("PALU_FUSED_OPS", "0")
     assert fl.unsupported(model) == "PALU_FUSED_OPS=0"
     monkeypatch.setenv("PALU_FUSED_OPS", "yes")

@@ -51,10 +51,13 @@ def unsupported(model) -> str | None:
     """None if `fused_layers` would fuse something of `model` here, else why not."""
     if not enabled():
         return "PALU_FUSED_OPS=0"
-    p = next(model.parameters(), None)
-    if p is not None and p.dtype not in DTYPES:
+    params = getattr(model, "parameters", None)
+    p = next(params(), None) if callable(params) else None
+    if p is None:
+        return "no parameters (not a torch model)"
+    if p.dtype not in DTYPES:
         return f"dtype {p.dtype} (fused in {', '.join(str(d) for d in DTYPES)} only)"
-    if p is None or p.device.type != "cuda":
+    if p.device.type != "cuda":
         return "not on a GPU"
     try:
         import palu_kernels.fused_ops  # noqa: F401
