@@ -166,3 +166,17 @@ def test_a_bad_channel_group_is_refused():
     for conf in ({"latent_bits": 16, "channel_group": 8}, {"latent_bits": 4, "channel_group": 0}):
         with pytest.raises(MethodError, match="method.channel_group"):
             build_method({"name": "palu", "checkpoint": "x", **conf})
+
+
+def test_row_by_row_loss_equals_the_whole_batch_loss_bit_for_bit():
+    """`token_nll` upcasts one window's logits at a time (the whole batch's float32 copy ran a
+    152K-vocabulary model out of its GPU share); each token's NLL is the flattened batch's."""
+    from palu.eval.perplexity import token_nll
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 17, 50, generator=g) * 4).half()
+    batch = torch.randint(0, 50, (3, 17), generator=g)
+    whole = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten(),
+                            reduction="none").view(3, -1).double()
+    rows = token_nll(logits, batch)
+    assert rows.shape == (3, 16) and rows.dtype == torch.float64
+    assert torch.equal(rows, whole)
