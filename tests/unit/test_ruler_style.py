@@ -91,3 +91,53 @@ def test_a_corpus_too_small_to_fill_a_prompt_is_an_error_not_a_short_prompt():
     filler = ". ".join(" ".join(WORDS[i:i + 8]) for i in range(0, 400, 8)) + "."
     with pytest.raises(ValueError, match="distinct words cannot fill 1880 tokens"):
         make_documents(tok, RulerStyleSettings(per_task=1, lengths=[2000], tasks=["cwe"]), filler * 30, SQUAD)
+
+
+def _bisection(size, most, length):   # the search `boundary` replaced, as it was written
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if size(mid) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def test_the_boundary_search_gives_the_bisections_answer_in_fewer_calls():
+    """Prompt sizes that grow with n (by steps, plateaus, bursts): the interpolating search returns
+    what the plain bisection returns, for lengths below, inside and above the range, and a prompt
+    of thousands of words costs a handful of tokenisations, not ~16."""
+    import random
+    from palu.eval.ruler_style import boundary
+    rng = random.Random(0)
+    calls = []
+    for trial in range(400):
+        most = rng.choice([0, 1, 2, 5, 40, 3000, 20000])
+        steps = [rng.choice([0, 1, 2, 3, 7, 40]) if trial % 3 else rng.randint(2, 4) for _ in range(most + 1)]
+        sizes = [50 + sum(steps[:i + 1]) for i in range(most + 1)] if most < 5000 else None
+        size_of = (lambda n: sizes[n]) if sizes else (lambda n: 50 + 3 * n + (n * 7919) % 5)
+        top = size_of(most)
+        for length in (10, 50, size_of(0), rng.randint(50, top + 1), top, top + 10):
+            counted = []
+            got = boundary(lambda n: counted.append(n) or size_of(n), most, length)
+            assert got == _bisection(size_of, most, length), (trial, most, length)
+            assert all(0 <= n <= most for n in counted)
+            assert len(counted) <= 3 * max(1, most).bit_length() + 3
+            if most >= 3000 and not trial % 3 and size_of(0) < length < top:   # smooth growth
+                bisected = []
+                _bisection(lambda n: bisected.append(n) or size_of(n), most, length)
+                calls.append((len(counted), len(bisected)))
+    assert sum(c for c, _ in calls) < 0.65 * sum(b for _, b in calls), calls
+
+
+def test_ruler_prompts_are_the_ones_the_bisection_built(monkeypatch):
+    """Every task's documents, field for field, as the bisection built them (the committed
+    RULER-style results stay reproducible prompt for prompt)."""
+    import palu.eval.ruler_style as rs
+    tok = tiny_tokenizer()
+    settings = RulerStyleSettings(per_task=3, lengths=[1400, 2000], seed=5)
+    new = make_documents(tok, settings, _text(), SQUAD)
+    monkeypatch.setattr(rs, "boundary", _bisection)
+    old = make_documents(tok, settings, _text(), SQUAD)
+    assert [vars(d) for d in new] == [vars(d) for d in old]
