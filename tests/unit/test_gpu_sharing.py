@@ -48,3 +48,14 @@ def test_gpu_share_applies_to_gpu_jobs_only_and_names_a_bad_value():
     for bad in ("0", "1.5", "half"):
         with pytest.raises(ValueError, match=f"PALU_GPU_SHARE='{bad}'"):
             limit_gpu_share("cuda", bad)
+
+
+def test_a_run_divides_its_part_of_the_gpu_among_its_jobs_and_two_runs_can_divide_the_gpu():
+    from palu.pipeline.jobs import gpu_share
+    assert gpu_share(1) is None                        # one job: the whole GPU, no cap
+    assert gpu_share(5) == "0.1900"                    # 0.95 / 5, as before
+    assert gpu_share(4, "0.6") == "0.1500"             # this run's part of the GPU over its jobs
+    assert gpu_share(1, "0.35") == "0.3500"            # one job beside another run: capped too
+    for bad in ("0", "1.5", "half", "-0.2"):
+        with pytest.raises(ValueError, match=f"PALU_GPU_MEMORY='{bad}'"):
+            gpu_share(3, bad)

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from palu.decompose.ranks import allocator_kind
-from palu.pipeline import naming
+from palu.pipeline import jobs, naming
 from palu.pipeline.grid import Grid
 from palu.pipeline.specs import shell_join
 from palu.pipeline.tracking import check_tracking
@@ -39,10 +39,13 @@ resource_scopes:
 if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 # GPU jobs sharing one GPU locally (`--resources gpu=N`, N > 1) each hold to 1/N of its memory
-# (palu.pipeline.cli.common.limit_gpu_share), so no job starves the others
+# (palu.pipeline.cli.common.limit_gpu_share), so no job starves the others; two runs on one GPU
+# divide it with PALU_GPU_MEMORY (palu.pipeline.jobs.gpu_share)
 GPUS_SHARED = getattr(workflow.global_resources["gpu"], "value", workflow.global_resources["gpu"]) or 1
-if not workflow.remote_exec and GPUS_SHARED > 1:
-    os.environ["PALU_GPU_SHARE"] = f"{0.95 / GPUS_SHARED:.4f}"
+if not workflow.remote_exec:
+    _share = jobs.gpu_share(GPUS_SHARED, os.environ.get(jobs.GPU_MEMORY_ENV))
+    if _share is not None:
+        os.environ["PALU_GPU_SHARE"] = _share
 if "model_jobs" not in workflow.global_resources:
     workflow.register_resource("model_jobs", 1 if workflow.remote_exec
                                else workflow.global_resources["_cores"].value or 1)

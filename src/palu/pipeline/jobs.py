@@ -84,3 +84,23 @@ def scheduler_resources(grid_resources: dict | None, device: str, step: str) -> 
     del r["threads"]
     gpu = step in GPU_BENCHMARKS or (device == "cuda" and step not in CPU_ONLY_STEPS)
     return {**r, **({"gpu": 1} if gpu else {})}
+
+
+GPU_MEMORY_ENV = "PALU_GPU_MEMORY"
+
+
+def gpu_share(jobs_sharing: int, memory: str | None = None) -> str | None:
+    """Each local GPU job's memory cap (`PALU_GPU_SHARE`) when `jobs_sharing` jobs of this run share
+    one GPU (`--resources gpu=N`): the run's part of the GPU (`PALU_GPU_MEMORY`, default 0.95) over
+    N. Two runs on one GPU (two grids at once) each claim 0.95 by default and starve each other's
+    jobs into out-of-memory errors (session 52); `PALU_GPU_MEMORY=0.6` for one and `0.35` for the
+    other divides it. None: no cap (one job, the whole GPU)."""
+    if memory is None and jobs_sharing <= 1:
+        return None
+    try:
+        part = float(memory) if memory is not None else 0.95
+    except ValueError:
+        part = -1.0
+    if not 0 < part <= 1:
+        raise ValueError(f"{GPU_MEMORY_ENV}={memory!r} must be a fraction of the GPU in (0, 1]")
+    return f"{part / max(1, jobs_sharing):.4f}"
