@@ -190,3 +190,33 @@ def test_loglikelihoods_in_batches_equal_one_request_at_a_time(tmp_path, which):
     assert np.allclose(_loglikelihoods(lm, pairs), one, rtol=0, atol=1e-9)
     with pytest.raises(ValueError, match="zeroshot.batch_size=0"):
         method_lm(model, tok, method, batch_size=0)
+
+
+def test_a_stopped_zero_shot_job_resumes_from_its_journal(tmp_path):
+    """Log-likelihoods are journaled as computed; a second run takes every journaled one without a
+    forward (the same numbers, bit for bit), computes only the missing ones, and a journal of other
+    settings is refused by name."""
+    from palu.eval.journal import AnswerJournal
+    model, _, method = _palu_models(tmp_path, 4)
+    tok = tiny_tokenizer()
+    fingerprint = {"method": "palu-b4", "tasks": ["piqa"]}
+    path = tmp_path / "journal.jsonl"
+    first = _loglikelihoods(method_lm(model, tok, method, journal=AnswerJournal(path, fingerprint)), PAIRS)
+    assert len(path.read_text().splitlines()) == 1 + len(PAIRS)
+    lm = method_lm(model, tok, method, journal=AnswerJournal(path, fingerprint))
+    calls = []
+    real_call = lm._model_call
+    lm._model_call = lambda *a, **k: calls.append(1) or real_call(*a, **k)
+    assert _loglikelihoods(lm, PAIRS) == first and not calls
+
+    lines = path.read_text().splitlines()           # killed after its first answer (and a cut line)
+    path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])
+    lm = method_lm(model, tok, method, journal=AnswerJournal(path, fingerprint))
+    calls.clear()
+    real_call = lm._model_call
+    lm._model_call = lambda *a, **k: calls.append(a[0].shape[0]) or real_call(*a, **k)
+    assert _loglikelihoods(lm, PAIRS) == first
+    assert sum(calls) == len(PAIRS) - 1              # only the two not journaled ran
+    assert len(AnswerJournal(path, fingerprint)) == len(PAIRS)   # appended after the cut line, readable
+    with pytest.raises(ValueError, match="other settings"):
+        AnswerJournal(path, {"method": "palu-b3", "tasks": ["piqa"]})

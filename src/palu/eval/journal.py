@@ -1,5 +1,6 @@
-"""A step's answers journaled as they come, so a long-context job that is stopped (a SLURM time
-limit, a preemption, a GPU lease ending) resumes where it stopped instead of from its first prompt.
+"""A step's answers journaled as they come, so a long-context or zero-shot job that is stopped (a
+SLURM time limit, a preemption, a GPU lease ending) resumes where it stopped instead of from its
+first prompt (zero-shot: lm-eval's log-likelihood requests, `zeroshot.method_lm(journal=...)`).
 
 Inside `answer_journal(path, fingerprint)`, `generation.answer_batches` looks every prompt up
 before answering it and appends each batch's answers (one JSON line per prompt: the prompt's
@@ -43,6 +44,9 @@ class AnswerJournal:
                 except json.JSONDecodeError:     # the last line of a killed job, cut short
                     continue
                 self.known[entry["key"]] = entry["answer"]
+            if lines[-1]:                        # cut short: what is appended starts a line of its own
+                with self.path.open("a") as f:
+                    f.write("\n")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(self.header + "\n")
@@ -64,6 +68,26 @@ class AnswerJournal:
             lines.append(_line({"key": key, "answer": list(answer)}))
         with self.path.open("a") as f:
             f.write("\n".join(lines) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    @staticmethod
+    def request_key(kind: str, args) -> str:
+        """An lm-eval request's key (its kind and its strings: what the answer depends on, given
+        the journal's fingerprint)."""
+        return hashlib.sha256(_line([kind, list(args)]).encode()).hexdigest()
+
+    def lookup(self, key: str):
+        return self.known.get(key)
+
+    def add_keyed(self, items: list[tuple[str, list]]) -> None:
+        """Append (key, answer) pairs, on disk before returning."""
+        if not items:
+            return
+        for key, answer in items:
+            self.known[key] = answer
+        with self.path.open("a") as f:
+            f.write("\n".join(_line({"key": k, "answer": a}) for k, a in items) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

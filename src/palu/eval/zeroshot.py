@@ -44,10 +44,36 @@ def lm_eval_name(task: str, source: str) -> str:
     return f"palu_{task}" if source == "embedded" else task
 
 
-def method_lm(model, tokenizer, method=None, batch_size: int | str = 1):
+class _JournalHook:
+    """lm-eval's cache hook (HFLM reports each request's answer as it is computed): appends them
+    to the journal a few hundred at a time, so a killed job keeps what it answered."""
+    EVERY = 256
+
+    def __init__(self, journal):
+        self.journal, self.pending = journal, []
+
+    def add_partial(self, kind, args, answer) -> None:
+        if kind == "loglikelihood" and args is not None:
+            self.pending.append((journal_key(args), [float(answer[0]), bool(answer[1])]))
+            if len(self.pending) >= self.EVERY:
+                self.flush()
+
+    def flush(self) -> None:
+        self.journal.add_keyed(self.pending)
+        self.pending = []
+
+
+def journal_key(args) -> str:
+    from .journal import AnswerJournal
+    return AnswerJournal.request_key("loglikelihood", args)
+
+
+def method_lm(model, tokenizer, method=None, batch_size: int | str = 1, journal=None):
     """An lm-eval `HFLM` around `model` whose every forward runs through `method`'s cache,
     `batch_size` requests at a time (an int or "auto": lm-eval's search from the longest batch
-    down), right-padded as lm-eval pads (the module docstring: exact for every one-pass method)."""
+    down), right-padded as lm-eval pads (the module docstring: exact for every one-pass method).
+    `journal` (a `palu.eval.journal.AnswerJournal` of this model, method and task settings): each
+    log-likelihood is taken from it when answered before, and appended as it is computed."""
     from ..methods.base import check_one_pass
     from .generation import check_batch_size
     check_one_pass(method, "loglikelihood")
@@ -64,20 +90,37 @@ def method_lm(model, tokenizer, method=None, batch_size: int | str = 1):
                 cache = method.make_cache(self.model)
                 return self.model(input_ids=inps, past_key_values=cache, use_cache=True).logits
 
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            if journal is None:
+                return super().loglikelihood(requests, disable_tqdm)
+            keys = [journal_key(r.args) for r in requests]
+            known = [journal.lookup(k) for k in keys]
+            todo = [r for r, found in zip(requests, known) if found is None]
+            if len(todo) < len(requests):
+                log.info("resuming: %d of %d log-likelihoods from %s", len(requests) - len(todo),
+                         len(requests), journal.path)
+            hook = _JournalHook(journal)
+            self.set_cache_hook(hook)
+            fresh = iter(super().loglikelihood(todo, disable_tqdm) if todo else [])
+            hook.flush()
+            return [tuple(found) if found is not None else next(fresh) for found in known]
+
     device = str(next(model.parameters()).device)
     return MethodLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
 
 
 def evaluate_zeroshot(model, tokenizer, method=None, tasks=TASKS, limit: int | None = None,
-                      source: str = "embedded", seed: int = 0, batch_size: int | str = 1) -> dict:
-    """acc / acc_norm per task with 95% Wilson intervals and every sample's outcome."""
+                      source: str = "embedded", seed: int = 0, batch_size: int | str = 1,
+                      journal=None) -> dict:
+    """acc / acc_norm per task with 95% Wilson intervals and every sample's outcome (`journal`:
+    resume from, and append to, an `AnswerJournal`; see `method_lm`)."""
     import lm_eval
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     check_request(list(tasks), limit, source)
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=source == "hub")
     names = {lm_eval_name(t, source): t for t in tasks}
-    out = simple_evaluate(model=method_lm(model, tokenizer, method, batch_size), tasks=list(names),
+    out = simple_evaluate(model=method_lm(model, tokenizer, method, batch_size, journal), tasks=list(names),
                           num_fewshot=0, limit=limit, log_samples=True, bootstrap_iters=0,
                           task_manager=manager, random_seed=seed, numpy_random_seed=seed,
                           torch_random_seed=seed, fewshot_random_seed=seed)
