@@ -7,6 +7,7 @@
 #   bash workflow/gpu_host.sh setup                           # join, check, install (once)
 #   bash workflow/gpu_host.sh start NAME -- COMMAND ...        # a long job in the background
 #   bash workflow/gpu_host.sh poll SECONDS [OUT]               # wait, then logs + new results to OUT
+#   bash workflow/gpu_host.sh stop NAME                        # end a started job (its whole session)
 #   bash workflow/gpu_host.sh missing RULE SNAKEMAKE-ARGS ...  # RULE's outputs not yet made
 #
 # `start` runs COMMAND with the wheelhouse's PYTHONPATH in its own session (the host ends every
@@ -67,6 +68,19 @@ case "${1:-}" in
     # shellcheck disable=SC1091
     ( source "$STATE/env.sh"; cd "$RUN"; setsid nohup "$@" > "$log" 2>&1 < /dev/null & echo $! > "$pid" )
     echo "started $name in $RUN (pid $(cat "$pid")), log $STATE/$name.log" ;;
+  stop)   # by its recorded pid's session: `pkill -f PATTERN` in a call also matches the call's
+          # own command line, which holds the pattern (session 52 ended its own call that way)
+    name=$2; pid_file=$STATE/$name.pid
+    [ -e "$pid_file" ] || { echo "no job named '$name' was started" >&2; exit 2; }
+    pid=$(cat "$pid_file")
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+      for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+      kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
+      echo "stopped $name (pid $pid)"
+    else
+      echo "$name had already ended"
+    fi ;;
   poll)
     limit=$2; out=${3:-${OUT:-$STATE/out}}; mkdir -p "$out"
     end=$((SECONDS + limit))
@@ -95,5 +109,5 @@ case "${1:-}" in
       want && $1 == "output:" {sub(/^ *output: */, ""); n = split($0, f, ", "); for (i = 1; i <= n; i++) print f[i]}' |
       while read -r f; do [ -e "$f" ] || echo "$f"; done | sort -u ;;
   *)
-    sed -n '2,22p' "$0"; exit 2 ;;
+    sed -n '2,23p' "$0"; exit 2 ;;
 esac
