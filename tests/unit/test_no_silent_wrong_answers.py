@@ -94,6 +94,35 @@ def test_prepare_refuses_a_copy_with_other_logits(tmp_path, monkeypatch):
     folder = save_tiny(copy.deepcopy(model), tok, tmp_path / "copy")
     with torch.no_grad():
         model.lm_head.weight.add_(0.01)
+    with pytest.raises(loading.PreparedModelMismatchError, match="other weights than the source: lm_head.weight differs"):
+        loading.check_round_trip(model, tok, folder)
+
+
+def test_prepare_refuses_a_copy_with_another_config_or_other_logits(tmp_path, monkeypatch):
+    """The same weights under another config (the norms' epsilon) are refused by the config comparison;
+    and where a copy computes otherwise with every weight and setting equal (here: the reloaded
+    model's attention made to scale its scores), by its logits."""
+    import json
+    from palu.models import loading
+    model, tok = tiny_llama(0), tiny_tokenizer()
+    folder = save_tiny(copy.deepcopy(model), tok, tmp_path / "copy")
+    loading.check_round_trip(model, tok, folder)                     # the faithful copy passes
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(loading.PreparedModelMismatchError, match="another config than the source: rms_norm_eps=0.5"):
+        loading.check_round_trip(model, tok, folder)
+    folder = save_tiny(copy.deepcopy(model), tok, tmp_path / "copy2")
+    from transformers import AutoModelForCausalLM
+    real = AutoModelForCausalLM.from_pretrained
+
+    def louder(*args, **kwargs):
+        m = real(*args, **kwargs)
+        with torch.no_grad():
+            m.model.norm.weight.mul_(1.01)   # differs after loading: not in the weights compared
+        m.state_dict = model.state_dict      # (the comparison sees the source's weights)
+        return m
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", louder)
     with pytest.raises(loading.PreparedModelMismatchError, match="other logits"):
         loading.check_round_trip(model, tok, folder)
 
