@@ -190,7 +190,8 @@ def main(argv=None) -> None:
                 raise SystemExit(f"--part-mib {args.part_mib!r}: a number of MiB or auto") from None
         m = split(args.out, args.paths, part_mib)
         print(f"{m['bytes'] / 2**20:.1f} MiB in {len(m['parts'])} parts under {args.out} "
-              f"(sha256 {m['bundle_sha256'][:12]}); carry {args.out}/pK in call K, then join")
+              f"(sha256 {m['bundle_sha256'][:12]}); carry {args.out}/p0 .. p{len(m['parts']) - 1}, "
+              f"one a call, then join")
     elif args.cmd == "stage":
         print(stage(args.part, args.dest))
     else:
