@@ -3,6 +3,7 @@ import each other's modules)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -189,3 +190,43 @@ def environment() -> dict:
 def record(cfg, step: str, **extra) -> dict:
     """What every output file carries: the step's resolved config (`config_of`) and the environment."""
     return {"config": config_of(cfg, step), "environment": environment(), **extra}
+
+
+# Journals of the steps that resume (longcontext, zeroshot): where they live and what they are
+# fingerprinted with
+def journal_path(cfg, out: str) -> Path:
+    """Where this step journals its answers (so a stopped job resumes): the work folder, named by
+    the output it is for (a hash: no name read from a config becomes a path)."""
+    return Path(cfg.paths.work) / "journal" / f"{hashlib.sha256(str(out).encode()).hexdigest()[:24]}.jsonl"
+
+
+def weights_signature(path: str) -> dict:
+    """Which weights the model was read from, as a journal must know them: a GGUF by its sha256; a
+    folder `prepare` made, by the source it was made from (prepared again on another machine, it
+    is the same model); any other folder by its weight files' sizes and modification times."""
+    from palu.artifacts import sha256_file
+    from palu.models.loading import ModelNotFoundError, prepared_from, resolve_source
+    src = resolve_source(path)
+    if src.kind == "hub":
+        return {"hub": path}
+    if src.gguf_file:
+        return {"gguf_sha256": sha256_file(Path(src.path) / src.gguf_file)}
+    source = prepared_from(src.path)
+    if source is not None:
+        try:
+            return {"prepared_from": source, **weights_signature(source)}
+        except (ModelNotFoundError, OSError):
+            pass
+    files = sorted(p for p in Path(src.path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
+    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+
+
+def without_timings(record):
+    """A record without its measured durations (`*_seconds`): what made the answers, so a
+    checkpoint decomposed again on a fresh GPU host (the same factors, by their sha256; another
+    `decompose_seconds`) resumes the journal of the first."""
+    if isinstance(record, dict):
+        return {k: without_timings(v) for k, v in record.items() if not str(k).endswith("_seconds")}
+    if isinstance(record, list):
+        return [without_timings(v) for v in record]
+    return record

@@ -6,59 +6,20 @@ longcontext table and needle heatmap read it)."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from pathlib import Path
 
 from palu.pipeline.config import method_of, suite_settings
 from palu.artifacts import write_json
 from palu.eval.journal import answer_journal
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
-from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked
+from palu.pipeline.cli.common import (entry_point, journal_path, log, model_input, model_path, record,
+                                      tracked, weights_signature, without_timings)
 
 
 def _max_positions(path: str) -> int | None:
     if resolve_source(path).kind == "hub":
         return None
     return getattr(load_config(path), "max_position_embeddings", None)
-
-
-def journal_path(cfg, out: str) -> Path:
-    """Where this step journals its answers (so a stopped job resumes): the work folder, named by
-    the output it is for (a hash: no name read from a config becomes a path)."""
-    return Path(cfg.paths.work) / "journal" / f"{hashlib.sha256(str(out).encode()).hexdigest()[:24]}.jsonl"
-
-
-def weights_signature(path: str) -> dict:
-    """Which weights the model was read from, as a journal must know them: a GGUF by its sha256; a
-    folder `prepare` made, by the source it was made from (prepared again on another machine, it
-    is the same model); any other folder by its weight files' sizes and modification times."""
-    from palu.artifacts import sha256_file
-    from palu.models.loading import ModelNotFoundError, prepared_from, resolve_source
-    src = resolve_source(path)
-    if src.kind == "hub":
-        return {"hub": path}
-    if src.gguf_file:
-        return {"gguf_sha256": sha256_file(Path(src.path) / src.gguf_file)}
-    source = prepared_from(src.path)
-    if source is not None:
-        try:
-            return {"prepared_from": source, **weights_signature(source)}
-        except (ModelNotFoundError, OSError):
-            pass
-    files = sorted(p for p in Path(src.path).iterdir() if p.suffix in (".safetensors", ".bin", ".json"))
-    return {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
-
-
-def without_timings(record):
-    """A record without its measured durations (`*_seconds`): what made the answers, so a
-    checkpoint decomposed again on a fresh GPU host (the same factors, by their sha256; another
-    `decompose_seconds`) resumes the journal of the first."""
-    if isinstance(record, dict):
-        return {k: without_timings(v) for k, v in record.items() if not str(k).endswith("_seconds")}
-    if isinstance(record, list):
-        return [without_timings(v) for v in record]
-    return record
 
 
 def run(cfg) -> dict:

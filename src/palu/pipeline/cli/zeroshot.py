@@ -13,8 +13,8 @@ from palu.artifacts import write_json
 from palu.models.loading import load_model
 from palu.pipeline import naming
 from palu.eval.journal import AnswerJournal
-from palu.pipeline.cli.common import entry_point, log, model_input, model_path, record, tracked
-from palu.pipeline.cli.longcontext import journal_path, weights_signature, without_timings
+from palu.pipeline.cli.common import (entry_point, journal_path, log, model_input, model_path, record,
+                                      tracked, weights_signature, without_timings)
 
 
 def _quiet_datasets(cfg) -> None:
@@ -41,8 +41,6 @@ def run(cfg) -> dict:
                        "model": cfg.model.name, "weights": weights_signature(model_path(cfg)),
                        "dtype": cfg.model.dtype, "device": cfg.device, "lm_eval": lm_eval.__version__}
         journal = AnswerJournal(journal_path(cfg, out), fingerprint)
-        if len(journal):
-            log.info("resuming: %d log-likelihoods from %s", len(journal), journal.path)
         result = evaluate_zeroshot(model, tok, method, tasks=list(z.tasks), limit=z.limit,
                                    source=z.source, seed=z.seed, batch_size=z.batch_size,
                                    journal=journal)
