@@ -13,8 +13,8 @@
 # `start` runs COMMAND with the wheelhouse's PYTHONPATH in its own session (the host ends every
 # other process a call leaves behind), its output in work/gpu-host/NAME.log; `poll` returns as soon
 # as every started job has ended or after SECONDS, and packs the logs and every result, journal,
-# job log and W&B run changed since setup into OUT (the call's $OUT) as archives of at most 15 MiB
-# each (a call brings back 8 files of 16 MiB).
+# job log, job wall time, rank allocation and W&B run changed since setup into OUT (the call's
+# $OUT) as archives of at most 15 MiB each (a call brings back 8 files of 16 MiB).
 #
 # Jobs run in a copy of the checkout outside it (RUN, made by the first `start` or `missing`): each
 # call re-sends the working tree and removes there what this side's tree lacks, so a result a job
@@ -93,9 +93,11 @@ case "${1:-}" in
       tail -n 3 "$STATE/$n.log" | sed "s/^/  $n| /"
     done
     since=$PWD/$STATE/since; list=$(mktemp); mkdir -p "$RUN"
-    # the job logs; from RUN: results, each grid's journals, logs and offline W&B runs (not models),
-    # listed NUL-separated (a result's name is never split or read by the shell)
-    (cd "$RUN" && find results work/*/journal work/*/logs work/*/wandb -newer "$since" -type f -print0 2>/dev/null) > "$list" || true
+    # the job logs; from RUN: results, each grid's journals, logs, job wall times (benchmarks),
+    # allocated ranks and offline W&B runs (not models or statistics), listed NUL-separated (a
+    # result's name is never split or read by the shell)
+    (cd "$RUN" && find results work/*/journal work/*/logs work/*/benchmarks work/*/ranks work/*/wandb \
+        -newer "$since" -type f -print0 2>/dev/null) > "$list" || true
     tar czf "$STATE/poll.tgz" "$STATE"/*.log -C "$RUN" --null -T "$list"
     split -b 15m -d "$STATE/poll.tgz" "$out/poll.tgz."
     rm -f "$STATE/poll.tgz" "$list"

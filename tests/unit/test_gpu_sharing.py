@@ -59,3 +59,52 @@ def test_a_run_divides_its_part_of_the_gpu_among_its_jobs_and_two_runs_can_divid
     for bad in ("0", "1.5", "half", "-0.2"):
         with pytest.raises(ValueError, match=f"PALU_GPU_MEMORY='{bad}'"):
             gpu_share(3, bad)
+
+
+def test_a_step_with_gpu_shares_takes_that_many_slots_and_that_much_memory_locally_only():
+    """Qwen2.5-1.5B's Fisher step ran out of a 1/5 share (session 53): `gpu_shares: 2` gives its
+    jobs 2 of the run's 5 slots and 2/5 of its memory; never more than the run has; on a cluster
+    (no `shared_by`) one GPU of its own as before."""
+    from palu.pipeline.jobs import gpu_share, scheduler_resources
+    grid = {"threads": 1, "fisher": {"gpu_shares": 2}, "longcontext": {"gpu_shares": 9}}
+    assert scheduler_resources(grid, "cuda", "fisher", shared_by=5)["gpu"] == 2
+    assert scheduler_resources(grid, "cuda", "evaluate", shared_by=5)["gpu"] == 1
+    assert scheduler_resources(grid, "cuda", "longcontext", shared_by=5)["gpu"] == 5   # at most N
+    assert scheduler_resources(grid, "cuda", "fisher")["gpu"] == 1                     # a cluster
+    assert "gpu_shares" not in scheduler_resources(grid, "cuda", "fisher", shared_by=5)
+    assert "gpu" not in scheduler_resources(grid, "cpu", "fisher", shared_by=5)
+    assert gpu_share(5, "0.7", 2) == "0.2800"
+    assert gpu_share(5, "0.7") == "0.1400"
+    assert gpu_share(2, None, 9) == "0.9500"                                           # at most N
+    for bad in (0, True, "2"):
+        with pytest.raises(ValueError, match="gpu_shares"):
+            gpu_share(5, "0.7", bad)
+    with pytest.raises(ValueError, match="gpu_shares"):
+        scheduler_resources({"fisher": {"gpu_shares": 0}}, "cuda", "fisher", shared_by=5)
+
+
+def test_the_workflow_puts_each_steps_share_before_its_command(tmp_path):
+    """Planned for real (`snakemake -n` on a cuda grid, 5 jobs sharing the GPU, 0.7 of it): the
+    Fisher job asks for 2 GPU slots and runs under PALU_GPU_SHARE=0.2800, an evaluation under
+    0.1400; the CPU-only prepare step gets no cap."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"work: {tmp_path}/work\nresults: {tmp_path}/results\ndevice: cuda\ntracking: disabled\n"
+                    "resources: {threads: 1, fisher: {gpu_shares: 2}}\n"
+                    "methods: []\nrank_allocation: {kept_ratios: [0.5], methods: [fisher], group_sizes: [1]}\n")
+    out = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "4", "--resources", "gpu=5",
+                          "--configfile", str(root / "conf/grid/small.yaml"), str(grid)], cwd=root, capture_output=True, text=True,
+                         env={**os.environ, "PALU_GPU_MEMORY": "0.7"}, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    jobs = out.stdout.split("\nrule ")
+    fisher = next(j for j in jobs if j.startswith("fisher:"))
+    evaluate = next(j for j in jobs if j.startswith("evaluate:"))
+    prepare = next(j for j in jobs if j.startswith("prepare_model:"))
+    assert re.search(r"\bgpu=2\b", fisher) and "PALU_GPU_SHARE=0.2800 exec" in fisher
+    assert re.search(r"\bgpu=1\b", evaluate) and "PALU_GPU_SHARE=0.1400 exec" in evaluate
+    assert "PALU_GPU_SHARE" not in prepare

@@ -10,7 +10,7 @@ rule calibrate:
     threads: threads_of("calibrate")
     resources: **needs("calibrate")
     shell:
-        "exec {PY} -m palu.pipeline.cli.calibrate {COMMON} out={output} progress=false > {log} 2>&1"
+        gpu_env("calibrate") + "exec {PY} -m palu.pipeline.cli.calibrate {COMMON} out={output} progress=false > {log} 2>&1"
 
 
 rule fisher:
@@ -25,4 +25,4 @@ rule fisher:
     threads: threads_of("fisher")
     resources: **needs("fisher")
     shell:
-        "exec {PY} -m palu.pipeline.cli.fisher {COMMON} out={output} progress=false > {log} 2>&1"
+        gpu_env("fisher") + "exec {PY} -m palu.pipeline.cli.fisher {COMMON} out={output} progress=false > {log} 2>&1"

@@ -60,7 +60,7 @@ if config.get("memory"):
         threads: threads_of("cache_memory_run")
         resources: **needs("cache_memory_run")
         shell:
-            "exec {PY} -m palu.pipeline.cli.generate {COMMON} {params.method} data={params.corpus} "
+            gpu_env("cache_memory_run") + "exec {PY} -m palu.pipeline.cli.generate {COMMON} {params.method} data={params.corpus} "
             "generate.context={params.context} out={output} progress=false "
             "> {log} 2>&1"
 

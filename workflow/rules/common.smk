@@ -40,12 +40,17 @@ if "gpu" not in workflow.global_resources:
     workflow.register_resource("gpu", 1)
 # GPU jobs sharing one GPU locally (`--resources gpu=N`, N > 1) each hold to 1/N of its memory
 # (palu.pipeline.cli.common.limit_gpu_share), so no job starves the others; two runs on one GPU
-# divide it with PALU_GPU_MEMORY (palu.pipeline.jobs.gpu_share)
+# divide it with PALU_GPU_MEMORY (palu.pipeline.jobs.gpu_share). A step whose jobs need more
+# (the grid's `resources: {<step>: {gpu_shares: k}}`) takes k of the N slots and k/N of the memory:
+# `gpu_env(step)` puts its cap before its command (one value per step; empty on a cluster, where
+# every GPU job has a GPU of its own).
 GPUS_SHARED = getattr(workflow.global_resources["gpu"], "value", workflow.global_resources["gpu"]) or 1
-if not workflow.remote_exec:
+LOCAL_GPU = workflow.local_exec and not workflow.remote_exec
+if LOCAL_GPU:
     _share = jobs.gpu_share(GPUS_SHARED, os.environ.get(jobs.GPU_MEMORY_ENV))
     if _share is not None:
         os.environ["PALU_GPU_SHARE"] = _share
+
 if "model_jobs" not in workflow.global_resources:
     workflow.register_resource("model_jobs", 1 if workflow.remote_exec
                                else workflow.global_resources["_cores"].value or 1)
@@ -55,8 +60,13 @@ def threads_of(step):
     return GRID.job_resources(step).threads
 
 
+def gpu_env(step):
+    share = GRID.gpu_share(step, GPUS_SHARED, os.environ.get(jobs.GPU_MEMORY_ENV)) if LOCAL_GPU else None
+    return f"PALU_GPU_SHARE={share} " if share else ""
+
+
 def needs(step):
-    return {**GRID.scheduler_resources(step), "model_jobs": 1}
+    return {**GRID.scheduler_resources(step, GPUS_SHARED if LOCAL_GPU else None), "model_jobs": 1}
 
 
 MODEL_DIR = GRID.prepared_model()

@@ -75,7 +75,7 @@ rule ranks_probed:
     params:
         palu=lambda w: shell_join(ranks_spec(w).overrides()),
     shell:
-        "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
+        gpu_env("ranks_probed") + "exec {PY} -m palu.pipeline.cli.ranks {COMMON} {params.palu} out={output} > {log} 2>&1"
 
 
 rule decompose:
@@ -96,7 +96,7 @@ rule decompose:
     params:
         palu=lambda w: shell_join(checkpoint_spec(w).overrides()),
     shell:
-        "exec {PY} -m palu.pipeline.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
+        gpu_env("decompose") + "exec {PY} -m palu.pipeline.cli.decompose {COMMON} {params.palu} out={output} progress=false > {log} 2>&1"
 
 
 # LoRA recovery of a checkpoint (grid `recovery:`): the same ranks, A refined on calibration text
@@ -118,5 +118,5 @@ if config.get("recovery"):
         params:
             recovery=GRID.recovery_overrides(),
         shell:
-            "exec {PY} -m palu.pipeline.cli.recover {COMMON} {params.recovery} "
+            gpu_env("recover") + "exec {PY} -m palu.pipeline.cli.recover {COMMON} {params.recovery} "
             "recovery.checkpoint={input.base} out={output} progress=false > {log} 2>&1"

@@ -14,5 +14,5 @@ rule evaluate:
     params:
         method=lambda w: GRID.run_overrides(w.run),
     shell:
-        "exec {PY} -m palu.pipeline.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
+        gpu_env("evaluate") + "exec {PY} -m palu.pipeline.cli.evaluate {COMMON} {params.method} data={wildcards.corpus} "
         "out={output} progress=false > {log} 2>&1"

@@ -23,7 +23,7 @@ for KIND, FIT in GRID.fitted_kinds().items():
                 kind=KIND,
                 settings=GRID.fitted_specs(KIND)[0].step_overrides(GRID),
             shell:
-                "exec {PY} -m palu.pipeline.cli.capture fitted={params.kind} {COMMON} {params.settings} "
+                gpu_env(f"{KIND}_capture") + "exec {PY} -m palu.pipeline.cli.capture fitted={params.kind} {COMMON} {params.settings} "
                 "out={output} progress=false > {log} 2>&1"
 
     rule:
@@ -47,5 +47,5 @@ for KIND, FIT in GRID.fitted_kinds().items():
             capture=lambda w, input, fit=FIT: (shell_join([f"{fit.kind}.{fit.capture_setting}={input[0]}"])
                                                if fit.captures else ""),
         shell:
-            "exec {PY} -m palu.pipeline.cli.fit fitted={params.kind} {COMMON} {params.settings} "
+            gpu_env(f"fit_{KIND}") + "exec {PY} -m palu.pipeline.cli.fit fitted={params.kind} {COMMON} {params.settings} "
             "{params.capture} out={output} progress=false > {log} 2>&1"

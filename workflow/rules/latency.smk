@@ -29,7 +29,7 @@ rule latency:
     threads: threads_of("latency")
     resources: **needs("latency")
     shell:
-        "exec {PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
+        gpu_env("latency") + "exec {PY} -m palu_bench.cli.latency out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule latency_table:
@@ -57,7 +57,7 @@ rule decode:
     threads: threads_of("decode")
     resources: **needs("decode")
     shell:
-        "exec {PY} -m palu_bench.cli.decode_e2e out={output} {BENCH_TRACK} > {log} 2>&1"
+        gpu_env("decode") + "exec {PY} -m palu_bench.cli.decode_e2e out={output} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule decode_table:
@@ -91,7 +91,7 @@ rule scale:
     threads: threads_of("scale")
     resources: **needs("scale")
     shell:
-        "exec {PY} -m palu_bench.cli.scale out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
+        gpu_env("scale") + "exec {PY} -m palu_bench.cli.scale out={output} shape={wildcards.shape} {BENCH_TRACK} > {log} 2>&1"
 
 
 rule scale_table:

@@ -29,7 +29,7 @@ if config.get("longcontext"):
             method=lambda w: GRID.run_overrides(w.run),
             suite=lambda w: GRID.longcontext_overrides(w.suite),
         shell:
-            "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
+            gpu_env("longcontext") + "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
 
     localrules: longcontext_table, needle_heatmap, ruler_figure

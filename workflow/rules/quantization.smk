@@ -34,5 +34,5 @@ rule latent_outliers_figure:
     threads: threads_of("latent_outliers_figure")
     resources: **needs("latent_outliers_figure")
     shell:
-        "exec {PY} -m palu.pipeline.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
+        gpu_env("latent_outliers_figure") + "exec {PY} -m palu.pipeline.cli.collect table=latent_outliers 'inputs=[{params.inputs}]' "
         "corpus={params.corpus} out={output} {TRACK} > {log} 2>&1"

@@ -8,4 +8,4 @@ rule prepare_model:
     threads: threads_of("prepare_model")
     resources: **needs("prepare_model")
     shell:
-        "exec {PY} -m palu.pipeline.cli.prepare model={wildcards.model} paths.work={W} tracking={GRID.tracking.mode} out={output} > {log} 2>&1"
+        gpu_env("prepare_model") + "exec {PY} -m palu.pipeline.cli.prepare model={wildcards.model} paths.work={W} tracking={GRID.tracking.mode} out={output} > {log} 2>&1"

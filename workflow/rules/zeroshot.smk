@@ -22,7 +22,7 @@ if config.get("zeroshot"):
             method=lambda w: GRID.run_overrides(w.run),
             zeroshot=GRID.zeroshot_overrides(),
         shell:
-            "exec {PY} -m palu.pipeline.cli.zeroshot {COMMON} {params.method} {params.zeroshot} out={output} "
+            gpu_env("zeroshot") + "exec {PY} -m palu.pipeline.cli.zeroshot {COMMON} {params.method} {params.zeroshot} out={output} "
             "progress=false > {log} 2>&1"
 
     localrules: zeroshot_table

@@ -101,10 +101,19 @@ class Grid(GridSections):
         from palu.pipeline.jobs import job_resources
         return job_resources(self.config.get("resources"), self.device, step)
 
-    def scheduler_resources(self, step: str) -> dict:
-        """The Snakemake `resources:` of one model job, a GPU included where it needs one."""
+    def scheduler_resources(self, step: str, shared_by: int | None = None) -> dict:
+        """The Snakemake `resources:` of one model job, a GPU included where it needs one (its
+        `gpu_shares` of a local run's `shared_by` GPU slots)."""
         from palu.pipeline.jobs import scheduler_resources
-        return scheduler_resources(self.config.get("resources"), self.device, step)
+        return scheduler_resources(self.config.get("resources"), self.device, step, shared_by)
+
+    def gpu_share(self, step: str, shared_by: int, memory: str | None) -> str | None:
+        """A local job's memory cap on the shared GPU (`palu.pipeline.jobs.gpu_share`); None for a
+        step that does not use the GPU, or one job with the whole GPU."""
+        from palu.pipeline.jobs import gpu_share, uses_gpu
+        if not uses_gpu(self.device, step):
+            return None
+        return gpu_share(shared_by, memory, self.job_resources(step).gpu_shares)
 
     def model_conf(self):
         path = Path(CONF_DIR) / "model" / f"{self.model}.yaml"

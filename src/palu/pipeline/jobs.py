@@ -35,6 +35,11 @@ class JobResources:
     threads: int
     mem_mb: int
     runtime: int      # minutes
+    # Of a local run's `--resources gpu=N` (N jobs sharing one GPU), the shares one job of the step
+    # holds: k of the N slots and k / N of the run's memory (`gpu_share`). Qwen2.5-1.5B's Fisher
+    # step needs ~12 GB where an evaluation needs ~8: `fisher: {gpu_shares: 2}`. At most N are
+    # taken; on a cluster each GPU job has a GPU of its own and this is not used.
+    gpu_shares: int = 1
 
     def check(self, where: str) -> "JobResources":
         for f in fields(self):
@@ -77,24 +82,35 @@ def job_resources(grid_resources: dict | None, device: str, step: str) -> JobRes
     return replace(out, **{k: _whole(v) for k, v in own.items()}).check(f"resources.{step}" if own else "resources")
 
 
-def scheduler_resources(grid_resources: dict | None, device: str, step: str) -> dict:
-    """The Snakemake `resources:` of a model job (`gpu: 1` where it runs on a GPU; the SLURM
-    plugin turns it into `--gpus=1`)."""
+def uses_gpu(device: str, step: str) -> bool:
+    return step in GPU_BENCHMARKS or (device == "cuda" and step not in CPU_ONLY_STEPS)
+
+
+def scheduler_resources(grid_resources: dict | None, device: str, step: str,
+                        shared_by: int | None = None) -> dict:
+    """The Snakemake `resources:` of a model job: `gpu: 1` where it runs on a GPU (the SLURM
+    plugin turns it into `--gpus=1`); in a local run whose N GPU jobs share one GPU (`shared_by`
+    = N), the step's `gpu_shares` of those N slots (at most N)."""
     r = asdict(job_resources(grid_resources, device, step))
     del r["threads"]
-    gpu = step in GPU_BENCHMARKS or (device == "cuda" and step not in CPU_ONLY_STEPS)
-    return {**r, **({"gpu": 1} if gpu else {})}
+    shares = r.pop("gpu_shares")
+    if not uses_gpu(device, step):
+        return r
+    return {**r, "gpu": min(shares, shared_by) if shared_by else 1}
 
 
 GPU_MEMORY_ENV = "PALU_GPU_MEMORY"
 
 
-def gpu_share(jobs_sharing: int, memory: str | None = None) -> str | None:
-    """Each local GPU job's memory cap (`PALU_GPU_SHARE`) when `jobs_sharing` jobs of this run share
+def gpu_share(jobs_sharing: int, memory: str | None = None, shares: int = 1) -> str | None:
+    """A local GPU job's memory cap (`PALU_GPU_SHARE`) when `jobs_sharing` jobs of this run share
     one GPU (`--resources gpu=N`): the run's part of the GPU (`PALU_GPU_MEMORY`, default 0.95) over
-    N. Two runs on one GPU (two grids at once) each claim 0.95 by default and starve each other's
-    jobs into out-of-memory errors (session 52); `PALU_GPU_MEMORY=0.6` for one and `0.35` for the
-    other divides it. None: no cap (one job, the whole GPU)."""
+    N, times the job's `shares` of the N (at most N). Two runs on one GPU (two grids at once) each
+    claim 0.95 by default and starve each other's jobs into out-of-memory errors (session 52);
+    `PALU_GPU_MEMORY=0.6` for one and `0.35` for the other divides it. None: no cap (one job, the
+    whole GPU)."""
+    if isinstance(shares, bool) or not isinstance(shares, int) or shares < 1:
+        raise ValueError(f"gpu_shares={shares!r} must be a positive integer")
     if memory is None and jobs_sharing <= 1:
         return None
     try:
@@ -103,4 +119,5 @@ def gpu_share(jobs_sharing: int, memory: str | None = None) -> str | None:
         part = -1.0
     if not 0 < part <= 1:
         raise ValueError(f"{GPU_MEMORY_ENV}={memory!r} must be a fraction of the GPU in (0, 1]")
-    return f"{part / max(1, jobs_sharing):.4f}"
+    n = max(1, jobs_sharing)
+    return f"{part * min(shares, n) / n:.4f}"
