@@ -141,3 +141,45 @@ def test_ruler_prompts_are_the_ones_the_bisection_built(monkeypatch):
     monkeypatch.setattr(rs, "boundary", _bisection)
     old = make_documents(tok, settings, _text(), SQUAD)
     assert [vars(d) for d in new] == [vars(d) for d in old]
+
+
+def test_built_prompts_are_kept_once_for_a_grid_and_read_back_equal(tmp_path):
+    """The prompt cache (palu/eval/prompt_cache.py): the first job builds and keeps the prompts,
+    the next one reads the same documents field for field without building; other settings,
+    another text or another tokenizer build anew; a file renamed onto another key is refused."""
+    import gzip
+    import json
+    import sys
+
+    from palu.eval import documents, prompt_cache
+    import palu.eval.ruler_style as rs
+    tok, text = tiny_tokenizer(), _text()
+    settings = RulerStyleSettings(per_task=2, lengths=[1400], seed=4)
+    modules = (sys.modules[rs.__name__], documents)
+    builds = []
+
+    def cached(s=settings, t=text, tk=tok):
+        keyed = prompt_cache.cache_key(tk, s, {"corpus": t, "squad": json.dumps(SQUAD)}, modules)
+        return prompt_cache.cached_documents(tmp_path, "ruler_style", keyed,
+                                             lambda: builds.append(1) or make_documents(tk, s, t, SQUAD))
+
+    first, key = cached()
+    again, key_again = cached()
+    assert len(builds) == 1 and key == key_again and len(list(tmp_path.iterdir())) == 1
+    assert [vars(d) for d in again] == [vars(d) for d in first] == \
+        [vars(d) for d in make_documents(tok, settings, text, SQUAD)]
+    _, other = cached(s=RulerStyleSettings(per_task=3, lengths=[1400], seed=4))
+    _, other_text = cached(t=text + " more words")
+    _, other_tok = cached(tk=tiny_tokenizer(add_bos=True))
+    assert len(builds) == 4 and len({key, other, other_text, other_tok}) == 4
+    # a file of one key under another key's name is refused, not read
+    theirs, mine = (tmp_path / f"ruler_style-{k[:24]}.json.gz" for k in (other, key))
+    mine.write_bytes(theirs.read_bytes())
+    with pytest.raises(ValueError, match="another key"):
+        cached()
+    # a tokenizer that cannot be keyed (no serialised state) is never cached
+    assert prompt_cache.cache_key(object(), settings, {}, modules) is None
+    docs, none = prompt_cache.cached_documents(tmp_path, "ruler_style", None, lambda: first)
+    assert none is None and docs is first
+    with gzip.open(theirs, "rt") as f:
+        assert json.load(f)["inputs"]["settings"]["per_task"] == 3

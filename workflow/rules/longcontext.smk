@@ -4,6 +4,7 @@
 LONGCONTEXT_TARGETS = []
 
 if config.get("longcontext"):
+    from palu.eval.suites import SUITES
     LONGCONTEXT_TARGETS = [str(naming.table_prefix(R, "longcontext")) + ".md"]
     if GRID.longcontext_files("needles"):
         LONGCONTEXT_TARGETS.append(str(naming.figure_path(R, "needle_heatmap")))
@@ -32,7 +33,33 @@ if config.get("longcontext"):
             gpu_env("longcontext") + "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.method} {params.suite} out={output} "
             "progress=false > {log} 2>&1"
 
-    localrules: longcontext_table, needle_heatmap, ruler_figure
+    # The prompts of the suites that keep them (RULER-style: ~5 min a job at 32K tokens), built
+    # once on the CPU into the work folder's cache that every longcontext job reads (their key
+    # checked there): `snakemake --configfile <grid> --cores 1 longcontext_prompts` before a GPU
+    # lease, the folder carried with the lease (README, "Run on a GPU host without internet").
+    # Not an input of the longcontext rule: a job without the cache builds its prompts itself.
+    PROMPT_TAGS = [tag for tag, name in GRID.longcontext_tags().items() if SUITES[name].prompts]
+
+    rule longcontext_prompts_built:
+        input:
+            MODEL_DIR,
+        output:
+            str(Path(W) / "prompts" / "{suite}.built.json"),
+        wildcard_constraints:
+            suite="|".join(re.escape(tag) for tag in PROMPT_TAGS) or "$^",
+        log:
+            log("longcontext", "prompts/{suite}"),
+        params:
+            suite=lambda w: GRID.longcontext_overrides(w.suite),
+        shell:
+            "exec {PY} -m palu.pipeline.cli.longcontext {COMMON} {params.suite} longcontext.prompts_only=true "
+            "out={output} > {log} 2>&1"
+
+    rule longcontext_prompts:
+        input:
+            [str(Path(W) / "prompts" / f"{tag}.built.json") for tag in PROMPT_TAGS],
+
+    localrules: longcontext_table, needle_heatmap, ruler_figure, longcontext_prompts_built, longcontext_prompts
 
     rule longcontext_table:
         input:

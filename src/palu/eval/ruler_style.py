@@ -294,14 +294,30 @@ def check(s) -> None:
         raise ValueError(f"longcontext.ruler_style.lengths={list(s.lengths)} must be token counts >= 512")
 
 
-def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1) -> dict:
+def prompts(tokenizer, s, prompt_cache=None) -> tuple[list[Document], str | None]:
+    """The suite's documents, and their key where they are kept in the folder `prompt_cache` for
+    every other job of the grid (`palu.eval.prompt_cache`: built once, ~5 min at 3,200 prompts of
+    up to 32K tokens)."""
+    import json
+    import sys
+
     from palu.data.corpora import load_corpus
+    from . import documents
+    from .prompt_cache import cache_key, cached_documents
+    corpus, squad = load_corpus(s.corpus).evaluation_text, squad_questions()
+    keyed = None if prompt_cache is None else cache_key(
+        tokenizer, s, {"corpus": corpus, "squad": json.dumps(squad, sort_keys=True)},
+        (sys.modules[__name__], documents))
+    return cached_documents(prompt_cache, "ruler_style", keyed, lambda: make_documents(tokenizer, s, corpus, squad))
+
+
+def run(model, tokenizer, method, s, max_positions=None, log=None, batch_size=1, prompt_cache=None) -> dict:
     if max_positions is not None and max(s.lengths) > max_positions:
         raise ValueError(f"longcontext.ruler_style length {max(s.lengths)} exceeds the model's "
                          f"maximum context ({max_positions} positions)")
-    docs = make_documents(tokenizer, s, load_corpus(s.corpus).evaluation_text, squad_questions())
+    docs, key = prompts(tokenizer, s, prompt_cache)
     r = evaluate_documents(model, tokenizer, method, docs, max(s.lengths), log=log, batch_size=batch_size)
-    return {"suite": "ruler_style", **r}
+    return {"suite": "ruler_style", **({"prompts_key": key} if key else {}), **r}
 
 
 def tag(s, dtype: str) -> str:
@@ -311,4 +327,4 @@ def tag(s, dtype: str) -> str:
 
 SUITE = register_suite(Suite("ruler_style", RulerStyleSettings, run, tag,
                              longest_prompt=lambda s: max(s.lengths),
-                             check=check))
+                             check=check, prompts=prompts))

@@ -35,6 +35,10 @@ class Suite:
     # `check_data` the data the suite reads (only when it runs: missing files, unknown tasks)
     check: Callable[[Any], None] = lambda s: None
     check_data: Callable[[Any], None] = lambda s: None
+    # (tokenizer, settings, prompt_cache) -> (documents, key): a suite whose prompts take long to
+    # build keeps them in `prompt_cache` for the grid's other jobs (palu.eval.prompt_cache); its
+    # `run` takes `prompt_cache=<folder>` too
+    prompts: Callable[..., tuple] | None = None
 
 SUITES: Registry = Registry("long-context suite")
 

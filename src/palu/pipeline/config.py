@@ -105,7 +105,10 @@ def _longcontext_schema() -> type:
     from dataclasses import make_dataclass
 
     from palu.eval.suites import SUITES
-    return make_dataclass("LongContextConfig", [("suite", str, "needles"), ("batch_size", Any, 1)] + [
+    # prompts_only: build (or read) the suite's prompts into the work folder's cache and stop, no
+    # answer, no result (suites that cache them): once on a CPU before a GPU lease, say
+    return make_dataclass("LongContextConfig", [("suite", str, "needles"), ("batch_size", Any, 1),
+                                                ("prompts_only", bool, False)] + [
         (name, suite.settings, field(default_factory=suite.settings)) for name, suite in SUITES.items()])
 
 

@@ -200,6 +200,12 @@ def journal_path(cfg, out: str) -> Path:
     return Path(cfg.paths.work) / "journal" / f"{hashlib.sha256(str(out).encode()).hexdigest()[:24]}.jsonl"
 
 
+def prompt_cache_dir(cfg) -> Path:
+    """Where a grid's long-context jobs keep the prompts they build, for each other (the work
+    folder; files named by a hash of what built them: palu.eval.prompt_cache)."""
+    return Path(cfg.paths.work) / "prompts"
+
+
 def weights_signature(path: str) -> dict:
     """Which weights the model was read from, as a journal must know them: a GGUF by its sha256; a
     folder `prepare` made, by the source it was made from (prepared again on another machine, it

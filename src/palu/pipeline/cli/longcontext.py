@@ -12,8 +12,8 @@ from palu.artifacts import write_json
 from palu.eval.journal import answer_journal
 from palu.models.loading import load_config, load_model, resolve_source
 from palu.pipeline import naming
-from palu.pipeline.cli.common import (entry_point, journal_path, log, model_input, model_path, record,
-                                      tracked, weights_signature, without_timings)
+from palu.pipeline.cli.common import (entry_point, journal_path, log, model_input, model_path,
+                                      prompt_cache_dir, record, tracked, weights_signature, without_timings)
 
 
 def _max_positions(path: str) -> int | None:
@@ -34,6 +34,8 @@ def run(cfg) -> dict:
     if limit is not None and longest > limit:
         raise ValueError(f"longcontext.{name}: prompts of up to {longest} tokens (with "
                          f"the answer) exceed the model's maximum context ({limit} positions)")
+    if cfg.longcontext.prompts_only:
+        return _prompts_only(cfg, suite, settings, path)
     with tracked(cfg, "longcontext", out, used={**model_input(cfg), **method.inputs()}) as wb:
         model, tok = load_model(path, dtype=cfg.model.dtype, device=cfg.device)
         method.install(model)
@@ -45,8 +47,11 @@ def run(cfg) -> dict:
         with answer_journal(journal, fingerprint) as answered:
             if len(answered):
                 log.info("resuming: %d answers from %s", len(answered), journal)
+            # built prompts kept for the grid's other jobs (the RULER-style suite: minutes a job)
+            cache = {"prompt_cache": prompt_cache_dir(cfg)} if suite.prompts else {}
             result = suite.run(model, tok, method, settings, max_positions=limit,
-                               log=log.info if cfg.progress else None, batch_size=cfg.longcontext.batch_size)
+                               log=log.info if cfg.progress else None, batch_size=cfg.longcontext.batch_size,
+                               **cache)
         result["batch_size"] = cfg.longcontext.batch_size
         summary = {"model": cfg.model.name, "method": method.tag, "dtype": cfg.model.dtype,
                    "suite": name, "run": naming.run_name(method.tag, method.lineage()),
@@ -64,6 +69,25 @@ def run(cfg) -> dict:
                  v["score"], v["lo"], v["hi"], v["n"])
     log.info("-> %s", out)
     return result
+
+
+def _prompts_only(cfg, suite, settings, path) -> dict:
+    """Build (or read) the suite's prompts into the grid's cache, nothing else: the tokenizer as
+    a job loads it (with the model, on the CPU, so its key is the job's)."""
+    from palu.eval.suites import SUITES
+    if suite.prompts is None:
+        raise ValueError(f"longcontext.prompts_only: suite {cfg.longcontext.suite!r} keeps no prompts "
+                         f"(suites that do: {[n for n, s in SUITES.items() if s.prompts]})")
+    _, tok = load_model(path, dtype=cfg.model.dtype, device="cpu")
+    docs, key = suite.prompts(tok, settings, prompt_cache_dir(cfg))
+    if key is None:
+        raise ValueError(f"longcontext.prompts_only: the tokenizer of {path!r} cannot be keyed (no "
+                         "serialised state), so no job could read its prompts back")
+    log.info("%s: %d prompts under key %s in %s", cfg.longcontext.suite, len(docs), key, prompt_cache_dir(cfg))
+    done = {"suite": cfg.longcontext.suite, "prompts": len(docs), "key": key, "folder": str(prompt_cache_dir(cfg))}
+    if cfg.out:   # the workflow's record that they are built (never a result file)
+        write_json(cfg.out, done)
+    return done
 
 
 main = entry_point(run)
