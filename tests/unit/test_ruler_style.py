@@ -177,6 +177,13 @@ def test_built_prompts_are_kept_once_for_a_grid_and_read_back_equal(tmp_path):
     mine.write_bytes(theirs.read_bytes())
     with pytest.raises(ValueError, match="another key"):
         cached()
+    # a call that pads or truncates leaves that set on the tokenizer: the key is the same after it
+    used = tiny_tokenizer()
+    used.pad_token = used.eos_token
+    before, key_before = used.backend_tokenizer.to_str(), prompt_cache.tokenizer_fingerprint(used)
+    used(["one two", "one"], padding="max_length", truncation=True, max_length=4)
+    assert used.backend_tokenizer.to_str() != before      # the call did leave its settings there
+    assert prompt_cache.tokenizer_fingerprint(used) == key_before
     # a tokenizer that cannot be keyed (no serialised state) is never cached
     assert prompt_cache.cache_key(object(), settings, {}, modules) is None
     docs, none = prompt_cache.cached_documents(tmp_path, "ruler_style", None, lambda: first)

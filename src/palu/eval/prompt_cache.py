@@ -36,8 +36,11 @@ def tokenizer_fingerprint(tokenizer) -> str | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
+    # a call with truncation= or padding= leaves them set on the backend: state of the last call,
+    # not of what the tokenizer does (prompts are built without them)
+    state = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("truncation", "padding")}
     h = hashlib.sha256()
-    for part in (backend.to_str(), str(getattr(tokenizer, "chat_template", None)),
+    for part in (json.dumps(state, sort_keys=True), str(getattr(tokenizer, "chat_template", None)),
                  json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str),
                  str(getattr(tokenizer, "add_bos_token", None)), str(getattr(tokenizer, "add_eos_token", None)),
                  type(tokenizer).__name__):
