@@ -1,8 +1,9 @@
 """The numbers the README's Qwen2.5-Coder-1.5B section quotes beside its tables, from the committed
 run files (results/qwen25-coder-1.5b/runs): J-LRD against M-LRD paired on the same 128-token blocks
 at each kept ratio and corpus, each row's cost relative to FP16, the Hadamard rotation against
-none at each latent width, and every quantisation row against FP16 (the quantisation table waits
-for KVQuant's rows).
+none at each latent width, every quantisation row against FP16 (the quantisation table waits for
+KVQuant's rows), and in zero-shot accuracy 3-bit latents against none at kept 0.5 (paired sample by
+sample, averaged over tasks as the zero-shot table averages).
 
     python benchmarks/experiments/qwen_transfer.py [results/qwen25-coder-1.5b]
 
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from palu.eval.stats import ppl_difference, ppl_interval
+from palu.eval.stats import ppl_difference, ppl_interval, stratified_mean
 
 
 def _one(root: Path, pattern: str) -> dict:
@@ -53,6 +54,18 @@ def main(results: str = "results/qwen25-coder-1.5b") -> None:
             continue
         lo, hi = ppl_interval(m["block_nll"], m["block_tokens"])
         print(f"| {m['run']} | {m['effective_bits']:.2f} | {m['ppl']:.2f} [{lo:.2f}, {hi:.2f}] | {_pair(m, fp)} |")
+    zs = Path(results) / "zeroshot" / "qwen25-coder-1.5b"
+
+    def accuracies(run: str) -> list[list[float]]:
+        files = sorted(zs.glob(f"{run}/*/*/zeroshot-*.json"))
+        if len(files) != 1:
+            raise SystemExit(f"{zs}/{run}: {len(files)} zero-shot files, want exactly 1")
+        tasks = json.loads(files[0].read_text())["zeroshot"]["tasks"]
+        return [[s["acc"] for s in tasks[t]["samples"]] for t in sorted(tasks)]
+    d = stratified_mean(accuracies("palu-whitened-uniform-k0.5-g2-b3"),
+                        reference=accuracies("palu-whitened-uniform-k0.5-g2"))
+    print(f"\nzero-shot, 3-bit latents - none at kept 0.5 (J-LRD), average over tasks: "
+          f"{100 * d['value']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}] points, sign test p = {d['p_sign']:.3g}")
 
 
 if __name__ == "__main__":
