@@ -157,6 +157,24 @@ def best_palu_seconds(rows, shape_name, B, T) -> float:
     return min(times, default=float("nan"))
 
 
+def shape_points(shape: dict, cfg: dict) -> list[tuple[int, int]]:
+    """(batch, length) points timed for one shape: the grid's, or the shape's own `lengths` (a
+    model of 32K positions is not timed at 128K), batched points only within them."""
+    lengths = shape.get("lengths", cfg["lengths"])
+    if not lengths or any(not isinstance(T, int) or T <= 0 for T in lengths):
+        raise ValueError(f"latency shape {shape}: lengths must be positive token counts, got {lengths!r}")
+    limit = max(lengths)
+    return [(1, T) for T in lengths] + [(b["batch"], b["length"]) for b in cfg["batches"] if b["length"] <= limit]
+
+
+def shape_selection_lengths(shape: dict, cfg: dict) -> list[int]:
+    """Lengths of the latent-selection rows: the shape's own `selection_lengths`, else the grid's
+    `selection.lengths` (each within the shape's timed lengths)."""
+    lengths = shape.get("selection_lengths", (cfg.get("selection") or {}).get("lengths", []))
+    timed = {T for B, T in shape_points(shape, cfg) if B == 1}
+    return [T for T in lengths if T in timed]
+
+
 def run(cfg: dict, out: str | None = None, log=print) -> dict:
     from palu_kernels.palu_decode import palu_decode
     if not torch.cuda.is_available():
@@ -167,8 +185,8 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
         f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     rows, checks = tune(cfg, ceil, log), []
     w, r = cfg["warmup_ms"], cfg["rep_ms"]
-    points = [(1, T) for T in cfg["lengths"]] + [(b["batch"], b["length"]) for b in cfg["batches"]]
     for shape_name, shape in cfg["shapes"].items():
+        points = shape_points(shape, cfg)
         groups = [shape["kv_heads"] if s == "all" else s for s in cfg["group_sizes"]]
         groups = sorted({s for s in groups if shape["kv_heads"] % s == 0})
         for B, T in points:
@@ -185,7 +203,7 @@ def run(cfg: dict, out: str | None = None, log=print) -> dict:
             rows.append(timed_row("int4_kv", shape_name, B, T, t, c, ceil, **speedups(t, base)))
             del cases
             rows += kivi_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log)
-            if B == 1 and T in (cfg.get("selection") or {}).get("lengths", []):
+            if B == 1 and T in shape_selection_lengths(shape, cfg):
                 from .selection_latency import selection_rows
                 rows += selection_rows(shape_name, shape, B, T, base, cfg, ceil, checks, log)
             for split_name, (kk, kv) in cfg["splits"].items():

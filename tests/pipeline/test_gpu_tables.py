@@ -116,6 +116,22 @@ def test_tune_rows_take_their_own_variants_or_the_shared_list():
     assert tune_plan({"shapes": {"s": {}}, "tune": [row]}) == [(row, [{}])]
 
 
+def test_a_shape_with_its_own_lengths_is_timed_only_within_its_context():
+    # Qwen2.5-Coder-1.5B has 32K positions: its latency rows stop there, the batched point too
+    import yaml
+    from palu_bench.latency import CONF, shape_points, shape_selection_lengths
+    cfg = yaml.safe_load(CONF.read_text())
+    qwen, llama = cfg["shapes"]["qwen25-coder-1.5b"], cfg["shapes"]["llama2-7b"]
+    assert shape_points(llama, cfg) == [(1, T) for T in cfg["lengths"]] + [(8, 16384)]
+    assert shape_points(qwen, cfg) == [(1, 4096), (1, 8192), (1, 16384), (1, 32768), (8, 16384)]
+    assert shape_points({**qwen, "lengths": [4096]}, cfg) == [(1, 4096)]   # 16K batch beyond it
+    assert shape_selection_lengths(llama, cfg) == cfg["selection"]["lengths"]
+    assert shape_selection_lengths(qwen, cfg) == [16384, 32768]
+    assert shape_selection_lengths({**qwen, "lengths": [4096, 16384]}, cfg) == [16384]
+    with pytest.raises(ValueError, match="lengths must be positive"):
+        shape_points({**qwen, "lengths": [0]}, cfg)
+
+
 def test_the_best_palu_time_of_a_point_skips_baselines_tune_and_failed_rows():
     # a failed tune variant's row once had no batch and crashed the run after every timing
     from palu_bench.latency import best_palu_seconds
