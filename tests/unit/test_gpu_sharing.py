@@ -29,7 +29,41 @@ def test_auto_batches_halve_on_every_form_of_out_of_memory(monkeypatch, error):
     prompts = [[1] * n for n in (5, 4, 3, 2, 1)]
     out = generation.answer_batches(None, None, None, prompts, 4, batch_size="auto")
     assert [a for a, _ in out] == [f"answer{n}" for n in (5, 4, 3, 2, 1)]
-    assert fake.sizes[:3] == [5, 4, 2]      # 8 (all 5 prompts) -> 4 -> 2, then batches of 2
+    # 5 prompts (of 5 + 4 tokens) ran out: 2, at most 18 tokens a batch from then on
+    assert fake.sizes == [5, 2, 2, 1]
+
+
+class _TokenBudget(_Tracker):
+    """Fails when a batch's padded prompt + answer tokens exceed `budget` (memory ~ linear in them)."""
+    def __init__(self, budget):
+        super().__init__(fits=None, error=torch.OutOfMemoryError("oom"))
+        self.budget, self.batches = budget, []
+
+    def __call__(self, model, tokenizer, method, prompts, new):
+        self.sizes.append(len(prompts))
+        if len(prompts) * (max(map(len, prompts)) + new) > self.budget:
+            raise self.error
+        self.batches.append([len(p) for p in prompts])
+        return [(f"answer{len(p)}", None) for p in prompts]
+
+
+def test_auto_batches_grow_back_as_prompts_shorten(monkeypatch):
+    """A batch halved to one 32K-token prompt stayed one prompt for the 4K ones after it (session
+    53: every RULER-style answer of a job went one at a time); now it holds as many tokens."""
+    fake = _TokenBudget(budget=50)
+    monkeypatch.setattr(generation, "_generate", fake)
+    monkeypatch.setattr(generation, "resolve_batch_size", lambda size, model: 8)
+    prompts = [[1] * 40] * 2 + [[1] * 10] * 7
+    out = generation.answer_batches(None, None, None, prompts, 4, batch_size="auto")
+    assert [a for a, _ in out] == [f"answer{len(p)}" for p in prompts]
+    # 8 x 44 -> 4 x 44 -> 2 x 44 out of memory; one 40-token prompt at a time (44 tokens), then
+    # three 10-token prompts a batch (3 x 14 = 42 <= 44)
+    assert fake.batches == [[40], [40], [10, 10, 10], [10, 10, 10], [10]]
+    fixed = _TokenBudget(budget=50)
+    monkeypatch.setattr(generation, "_generate", fixed)
+    monkeypatch.setattr(generation, "resolve_batch_size", lambda size, model: size)
+    generation.answer_batches(None, None, None, [[1] * 10] * 4, 4, batch_size=3)
+    assert fixed.batches == [[10, 10, 10], [10]]    # a fixed size is never resized
 
 
 def test_other_errors_and_fixed_batches_are_not_retried(monkeypatch):

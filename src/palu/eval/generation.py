@@ -54,7 +54,8 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
                    batch_size: int | str = 1, progress=None) -> list[tuple[str, dict | None]]:
     """(answer, bytes) of every prompt, in the order given. `max_new_tokens`: one for all or one
     per prompt (a batch holds prompts of one answer length). `batch_size`: an int, or "auto" (on
-    a GPU: from `AUTO_MAX_BATCH` down, halved on out-of-memory; on a CPU: 1). `progress(done,
+    a GPU: from `AUTO_MAX_BATCH` down, halved on out-of-memory, then sized to the prompt + answer
+    tokens the halved batch held, so shorter prompts batch more; on a CPU: 1). `progress(done,
     total)` is called after each batch. Inside `journal.answer_journal(...)` every batch's answers
     are journaled, and prompts an earlier run answered are not answered again."""
     news = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -88,17 +89,26 @@ def answer_batches(model, tokenizer, method, prompts: list[list[int]], max_new_t
 def _answer_in_batches(model, tokenizer, method, prompts, news, order, out, size, batch_size, padded,
                        journal, progress) -> None:
     start, base = 0, len(prompts) - len(order)
+    # "auto": once a batch ran out of memory, a batch holds at most `tokens` prompt + answer
+    # positions (half of those that did not fit), so a batch halved to one 32K-token prompt grows
+    # back to eight of 4K (what a job holds is about linear in them: the cache, the activations)
+    tokens, most = None, size
     while start < len(order):
         first = order[start]
+        width = len(prompts[first]) + news[first]   # the longest row of the batch: it is padded to it
+        if tokens is not None:
+            size = max(1, min(most, tokens // width))
         group = [i for i in order[start:start + size] if news[i] == news[first]
                  and (padded or len(prompts[i]) == len(prompts[first]))]
         try:
             answers = _generate(model, tokenizer, method, [prompts[i] for i in group], news[group[0]])
         except (torch.OutOfMemoryError, RuntimeError) as err:
-            if not out_of_memory(err) or batch_size != "auto" or size == 1:
+            if not out_of_memory(err) or batch_size != "auto" or len(group) == 1:
                 raise
-            size //= 2
-            log.info("out of memory at batch %d: halved to %d", 2 * size, size)
+            size = len(group) // 2
+            tokens = size * width
+            log.info("out of memory at batch %d of %d tokens: halved to %d (at most %d tokens a batch "
+                     "from now on)", len(group), width, size, tokens)
             torch.cuda.empty_cache()
             continue
         for i, a in zip(group, answers):
