@@ -4,10 +4,15 @@ call: the allocator's Fisher statistic picked from the statistics, then its spli
 windows (`probe.allocate_probed`, over the calibration Gram's whitened factors)."""
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from ..models.adapters import Geometry
 from .ranks import allocate, get_allocator
+
+log = logging.getLogger(__name__)
 
 
 def allocate_ranks(method: str, kept_ratio: float, group_size: int, multiple: int, geom: Geometry, *,
@@ -36,8 +41,11 @@ def allocate_ranks(method: str, kept_ratio: float, group_size: int, multiple: in
                          "fisher_windows=)" + ("" if method != "error_aware" else ", or a numeric key_weight"))
     from .probe import allocate_probed
     from .spectra import whitened_svds
-    return allocate_probed(model, whitened_svds(model, grams, group_size), fisher, method, kept_ratio,
-                           group_size, multiple, probe_windows, key_weight)
+    began = time.perf_counter()
+    svds = whitened_svds(model, grams, group_size)
+    log.info("%s: %d whitened SVDs in %.1f s", method, len(svds), time.perf_counter() - began)
+    return allocate_probed(model, svds, fisher, method, kept_ratio, group_size, multiple, probe_windows,
+                           key_weight)
 
 
 def required_statistics(method: str) -> list[str]:

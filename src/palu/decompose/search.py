@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import time
 
 import torch
 
@@ -157,7 +158,10 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
     from .probe import probe_select
     if evaluations < 1:
         raise ValueError(f"search evaluations={evaluations!r} must be a positive number")
+    began = time.perf_counter()
     start = probe_select(model, svds, stats, kept_ratio, group_size, multiple, windows)
+    log.info("search: probe_select's start in %.1f s", time.perf_counter() - began)
+    began = time.perf_counter()
     spent = len(start["probe"]["candidates"])
     ranks = {Slot(r["layer"], r["kind"], r["group"]): r["rank"] for r in start["ranks"]}
     full = {Slot(r["layer"], r["kind"], r["group"]): r["full"] for r in start["ranks"]}
@@ -217,6 +221,9 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                 break
     finally:
         t.restore()
+    took = time.perf_counter() - began
+    log.info("search: %d evaluations in %.1f s (%.0f ms each)", spent - len(start["probe"]["candidates"]),
+             took, 1e3 * took / max(1, spent - len(start["probe"]["candidates"])))
     allocation = {**start, "method": "search",
                   "ranks": [{**r, "rank": ranks[Slot(r["layer"], r["kind"], r["group"])]} for r in start["ranks"]]}
     allocation["search"] = {"start": start["selected"], "start_loss": history[0]["loss"],

@@ -1,6 +1,8 @@
 """Step `ranks`: allocate ranks for a kept ratio, group size and method; writes a JSON."""
 from __future__ import annotations
 
+import time
+
 from palu.calib.stats_file import check_model, load_stats
 from palu.decompose.allocation import allocate_ranks, check_statistics
 from palu.decompose.ranks import get_allocator
@@ -45,12 +47,14 @@ def run(cfg) -> dict:
     out = cfg.out or str(naming.ranks_path_of(cfg))
     with tracked(cfg, "ranks", out, used=used) as wb:
         model = grams = windows = None
+        began = time.perf_counter()
         if needs_model:
             from palu.models.loading import load_model
             model, tok = load_model(model_path(cfg), dtype=cfg.model.dtype, device=cfg.device)
             tensors, meta = load_stats(used["gram"], "calibration Gram")
             check_model(meta, config, made_from.get("hash"), f"the calibration Gram {used['gram']}")
             grams = tensors["gram"]
+            log.info("model and Gram loaded in %.1f s", time.perf_counter() - began)
         if reorder:   # the KV heads as the decompose step will group them (decompose/heads.py)
             from palu.decompose.heads import permute_statistics, reorder_heads, similarity_orders
             orders = similarity_orders(model, grams, p.group_size)
@@ -67,9 +71,11 @@ def run(cfg) -> dict:
             # same text: they overlap, results/checks/probe-window-overlap.json; issue 53, item 3)
             f = cfg.fisher
             windows = calibration_windows_of(cfg, tok, f.samples, f.seqlen, f.seed)[:PROBE_WINDOWS]
+        began = time.perf_counter()
         allocation = allocate_ranks(p.rank_method, p.kept_ratio, p.group_size, p.rank_multiple, geom,
                                     stats=stats, model=model, grams=grams, probe_windows=windows,
                                     source=str(used.get("fisher")), advice=_AGAIN)
+        log.info("%s allocated in %.1f s", p.rank_method, time.perf_counter() - began)
         if allocator.held_out:
             allocation["search"]["held_out"] = held_out
         if allocator.probes:
