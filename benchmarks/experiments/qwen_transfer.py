@@ -1,8 +1,8 @@
 """The numbers the README's Qwen2.5-Coder-1.5B section quotes beside its tables, from the committed
 run files (results/qwen25-coder-1.5b/runs): J-LRD against M-LRD paired on the same 128-token blocks
 at each kept ratio and corpus, each row's cost relative to FP16, the Hadamard rotation against
-none at each latent width, every quantisation row against FP16 (the quantisation table waits for
-KVQuant's rows), and in zero-shot accuracy 3-bit latents against none at kept 0.5 (paired sample by
+none at each latent width, every quantisation row against FP16, KVQuant against Palu's latents at
+the nearest bytes (paired), and in zero-shot accuracy 3-bit latents against none at kept 0.5 (paired sample by
 sample, averaged over tasks as the zero-shot table averages).
 
     python benchmarks/experiments/qwen_transfer.py [results/qwen25-coder-1.5b]
@@ -54,6 +54,12 @@ def main(results: str = "results/qwen25-coder-1.5b") -> None:
             continue
         lo, hi = ppl_interval(m["block_nll"], m["block_tokens"])
         print(f"| {m['run']} | {m['effective_bits']:.2f} | {m['ppl']:.2f} [{lo:.2f}, {hi:.2f}] | {_pair(m, fp)} |")
+    print("\n| KVQuant (wiki) | bits | Palu J-LRD at the nearest bytes | bits | KVQuant - Palu |")
+    for b, palu in ((4, "palu-whitened-uniform-k0.7-g2-b4"), (3, "palu-whitened-uniform-k0.7-g2-b4"),
+                    (2, "palu-whitened-uniform-k0.7-g2-rot_hadamard-s0-b3")):
+        kv = _one(root, f"kvquant-b{b}-fisher-o0.01/*/ppl-wiki_standin-*.json")
+        pl = _one(root, f"{palu}/*/*/ppl-wiki_standin-*.json")
+        print(f"| {kv['run']} | {kv['effective_bits']:.2f} | {pl['run']} | {pl['effective_bits']:.2f} | {_pair(kv, pl)} |")
     zs = Path(results) / "zeroshot" / "qwen25-coder-1.5b"
 
     def accuracies(run: str) -> list[list[float]]:
