@@ -62,6 +62,12 @@ def prompt_ids(tokenizer, doc: Document, max_length: int) -> tuple[list[int], bo
     return ids, True
 
 
+def score_answer(doc: Document, text: str) -> float:
+    """The document's metric on a generated answer (its first line where the task asks for one)."""
+    scored = text.lstrip("\n").split("\n")[0] if doc.first_line else text
+    return scorers.score(doc.metric, scored, doc.answers, all_classes=doc.all_classes)
+
+
 def evaluate_documents(model, tokenizer, method, docs: list[Document], max_length: int,
                        log=None, batch_size: int | str = 1) -> dict:
     """Every document answered through the method's cache (`batch_size` prompts at a time,
@@ -73,8 +79,7 @@ def evaluate_documents(model, tokenizer, method, docs: list[Document], max_lengt
                              [d.max_new_tokens for d in docs], batch_size, progress=_progress(log, len(docs)))
     rows = []
     for d, (ids, cut), (text, nbytes) in zip(docs, prompts, answers):
-        scored = text.lstrip("\n").split("\n")[0] if d.first_line else text
-        value = scorers.score(d.metric, scored, d.answers, all_classes=d.all_classes)
+        value = score_answer(d, text)
         rows.append({"task": d.task, "id": d.id, "metric": d.metric, "prompt_tokens": len(ids),
                      "truncated": cut, "answers": d.answers, "answer": text, "score": value,
                      **({"cache_bytes": nbytes} if nbytes else {}), **d.fields})
