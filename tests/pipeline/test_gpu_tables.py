@@ -126,8 +126,9 @@ def test_a_shape_with_its_own_lengths_is_timed_only_within_its_context():
     assert shape_points(qwen, cfg) == [(1, 4096), (1, 8192), (1, 16384), (1, 32768), (8, 16384)]
     assert shape_points({**qwen, "lengths": [4096]}, cfg) == [(1, 4096)]   # 16K batch beyond it
     assert shape_selection_lengths(llama, cfg) == cfg["selection"]["lengths"]
-    assert shape_selection_lengths(qwen, cfg) == [16384, 32768]
-    assert shape_selection_lengths({**qwen, "lengths": [4096, 16384]}, cfg) == [16384]
+    assert shape_selection_lengths(qwen, cfg) == [32768]
+    assert shape_selection_lengths({**qwen, "selection_lengths": [16384, 32768], "lengths": [4096, 16384]},
+                                   cfg) == [16384]
     with pytest.raises(ValueError, match="lengths must be positive"):
         shape_points({**qwen, "lengths": [0]}, cfg)
 
