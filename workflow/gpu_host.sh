@@ -12,8 +12,8 @@
 #
 # `start` runs COMMAND with the wheelhouse's PYTHONPATH in its own session (the host ends every
 # other process a call leaves behind), its output in work/gpu-host/NAME.log; `poll` returns as soon
-# as every started job has ended or after SECONDS, and packs the logs and every result, journal,
-# job log, job wall time, rank allocation and W&B run changed since setup into OUT (the call's
+# as every started job has ended or after SECONDS, and packs the logs, work/gpu-host/*.json and
+# every result, journal, job log, job wall time, rank allocation and W&B run changed since setup into OUT (the call's
 # $OUT) as archives of at most 15 MiB each (a call brings back 8 files of 16 MiB).
 #
 # Jobs run in a copy of the checkout outside it (RUN, made by the first `start` or `missing`): each
@@ -98,7 +98,9 @@ case "${1:-}" in
     # result's name is never split or read by the shell)
     (cd "$RUN" && find results work/*/journal work/*/logs work/*/benchmarks work/*/ranks work/*/wandb \
         -newer "$since" -type f -print0 2>/dev/null) > "$list" || true
-    tar czf "$STATE/poll.tgz" "$STATE"/*.log -C "$RUN" --null -T "$list"
+    # with the logs, any results file a command wrote beside them (a benchmark run during staging
+    # writes work/gpu-host/<device>-<shape>.json: it has no checkout of its own yet)
+    tar czf "$STATE/poll.tgz" "$STATE"/*.log "$STATE"/*.json -C "$RUN" --null -T "$list"
     split -b 15m -d "$STATE/poll.tgz" "$out/poll.tgz."
     rm -f "$STATE/poll.tgz" "$list"
     ls -la "$out" ;;
