@@ -113,5 +113,5 @@ case "${1:-}" in
       want && $1 == "output:" {sub(/^ *output: */, ""); n = split($0, f, ", "); for (i = 1; i <= n; i++) print f[i]}' |
       while read -r f; do [ -e "$f" ] || echo "$f"; done | sort -u ;;
   *)
-    sed -n '2,23p' "$0"; exit 2 ;;
+    sed -n '2,22p' "$0"; exit 2 ;;
 esac
