@@ -221,9 +221,8 @@ def search_ranks(model, svds: dict, stats: dict, kept_ratio: float, group_size: 
                 break
     finally:
         t.restore()
-    took = time.perf_counter() - began
-    log.info("search: %d evaluations in %.1f s (%.0f ms each)", spent - len(start["probe"]["candidates"]),
-             took, 1e3 * took / max(1, spent - len(start["probe"]["candidates"])))
+    took, searched = time.perf_counter() - began, spent - len(start["probe"]["candidates"])
+    log.info("search: %d evaluations in %.1f s (%.0f ms each)", searched, took, 1e3 * took / max(1, searched))
     allocation = {**start, "method": "search",
                   "ranks": [{**r, "rank": ranks[Slot(r["layer"], r["kind"], r["group"])]} for r in start["ranks"]]}
     allocation["search"] = {"start": start["selected"], "start_loss": history[0]["loss"],
